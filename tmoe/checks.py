@@ -1,0 +1,45 @@
+"""Input checks that run before any kernel launch and name the offending argument."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Iterable[torch.dtype] | None = None,
+    ndim: int | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    """Raise TypeError/ValueError naming ``name`` unless ``t`` is a tensor as described."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dimension (stride {t.stride(-1)})")

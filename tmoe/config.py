@@ -1,0 +1,138 @@
+"""Tile configurations: a frozen dataclass, a deterministic heuristic, tuned JSON tables, a test override.
+
+Lookup runs inside custom-op implementations (never in code that dynamo traces), keyed by
+static sizes only, so it cannot cause graph breaks or recompiles.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of one grouped GEMM. For the up/gate GEMM ``block_n`` counts output columns of
+    the activated intermediate (the kernel loads 2 * block_n weight rows)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tiles for the two GEMMs; they share ``block_m``, the alignment block size."""
+
+    up: GemmConfig
+    down: GemmConfig
+
+    def __post_init__(self) -> None:
+        if self.up.block_m != self.down.block_m:
+            raise ValueError("MoEConfig: up and down GEMMs must share block_m (the align block size)")
+
+    @property
+    def block_m(self) -> int:
+        return self.up.block_m
+
+
+def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | None) -> MoEConfig:
+    tokens_per_expert = m * topk / max(e, 1)
+    if tokens_per_expert <= 16:
+        bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
+    elif tokens_per_expert <= 48:
+        bm, bn, bk, warps, stages = 32, 64, 128, 4, 4
+    elif tokens_per_expert <= 128:
+        bm, bn, bk, warps, stages = 64, 64, 64, 4, 4
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    if block_k_cap is not None:
+        bk = min(bk, block_k_cap)
+    up = GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
+    down = GemmConfig(bm, min(2 * bn, 128) if bm <= 32 else bn, bk, num_warps=warps, num_stages=stages)
+    return MoEConfig(up, down)
+
+
+def config_file_name(e: int, n: int, device_name: str, dtype: str | None) -> str:
+    """vLLM's naming: ``E=8,N=14336,device_name=NVIDIA_H200,dtype=fp8_w8a8.json``."""
+    name = f"E={e},N={n},device_name={device_name.replace(' ', '_')}"
+    return name + (f",dtype={dtype}.json" if dtype else ".json")
+
+
+def _config_dirs() -> list[Path]:
+    dirs = [Path(__file__).parent / "configs"]
+    if os.environ.get("TMOE_CONFIG_DIR"):
+        dirs.insert(0, Path(os.environ["TMOE_CONFIG_DIR"]))
+    return dirs
+
+
+@functools.lru_cache(maxsize=None)
+def _load_table(file_name: str, dirs: tuple[Path, ...]) -> dict[int, MoEConfig] | None:
+    for d in dirs:
+        path = d / file_name
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            return {
+                int(m): MoEConfig(GemmConfig(**row["up"]), GemmConfig(**row["down"])) for m, row in raw.items()
+            }
+    return None
+
+
+def save_table(path: Path, table: dict[int, MoEConfig]) -> None:
+    """Write a tuned table: ``{"M": {"up": {...}, "down": {...}}}`` sorted by M."""
+    rows = {str(m): {"up": asdict(c.up), "down": asdict(c.down)} for m, c in sorted(table.items())}
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+_OVERRIDE: list[MoEConfig] = []
+
+
+@contextlib.contextmanager
+def override_config(config: MoEConfig) -> Iterator[None]:
+    """Force ``config`` for every MoE GEMM launched inside the block (tests, tuning)."""
+    _OVERRIDE.append(config)
+    try:
+        yield
+    finally:
+        _OVERRIDE.pop()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def get_config(
+    m: int, e: int, n: int, k: int, topk: int, device: torch.device, quant: str | None = None,
+    block_k_cap: int | None = None,
+) -> MoEConfig:
+    """The tile config for a layer of ``e`` experts, ``w1 (e, 2n, k)``, at ``m`` tokens.
+
+    Order: ``override_config`` > tuned table (nearest M) > heuristic. ``quant`` names the
+    table's dtype suffix (``fp8_w8a8``); ``block_k_cap`` caps block_k (block-quant groups).
+    """
+    if _OVERRIDE:
+        return _OVERRIDE[-1]
+    table = _load_table(config_file_name(e, n, device_name(device), quant), tuple(_config_dirs()))
+    if table:
+        nearest = min(table, key=lambda tm: abs(tm - m))
+        cfg = table[nearest]
+        if block_k_cap is None or (cfg.up.block_k <= block_k_cap and cfg.down.block_k <= block_k_cap):
+            return cfg
+    return _heuristic(m, e, n, k, topk, block_k_cap)

@@ -1,0 +1,1 @@
+"""Triton kernels, one stage per file; each file holds its ``@triton.jit`` kernels and one launcher."""

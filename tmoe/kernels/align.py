@@ -1,0 +1,199 @@
+"""Sort-and-align: group token slots by expert, pad each expert's run to the GEMM block size.
+
+Deterministic and stable: within an expert, slots keep ascending slot order. No atomics.
+Small problems (one chunk) take one launch; larger ones three: per-chunk histogram, a
+one-program scan that turns counts into positions, and a per-chunk scatter.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tmoe.checks import INDEX_DTYPES, check_tensor
+
+MAX_CHUNK = 1024
+
+
+@triton.jit
+def _write_layout(
+    starts, totals, ends,  # [E_PAD] int32: first position, slot count, end of the padded run
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+    numel, max_padded, num_blocks,
+    BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, TILE: tl.constexpr,
+):
+    """Write everything but the real slots: the padded length, each block's expert, the sentinels."""
+    total_padded = tl.sum(ends - starts, axis=0)
+    tl.store(num_post_padded_ptr, total_padded)
+    for b0 in range(0, num_blocks, TILE):
+        offs_b = b0 + tl.arange(0, TILE)
+        pos = offs_b * BLOCK_SIZE
+        expert = tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)  # [TILE]
+        in_use = pos < total_padded
+        if HAS_MAP:
+            expert = tl.load(expert_map_ptr + expert, mask=in_use, other=0)
+        tl.store(expert_ids_ptr + offs_b, tl.where(in_use, expert, 0), mask=offs_b < num_blocks)
+    for j0 in range(0, BLOCK_SIZE, TILE):
+        pos = (starts + totals)[:, None] + (j0 + tl.arange(0, TILE))[None, :]  # [E_PAD, TILE]
+        tl.store(sorted_ids_ptr + pos, numel, mask=pos < ends[:, None])
+    for p0 in range(total_padded, max_padded, TILE):
+        offs = p0 + tl.arange(0, TILE)
+        tl.store(sorted_ids_ptr + offs, numel, mask=offs < max_padded)
+
+
+@triton.jit
+def _chunk_counts(topk_ids_ptr, chunk_start, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    offs = chunk_start + tl.arange(0, CHUNK)
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    return tl.histogram(tl.where(valid, ids, 0).to(tl.int32), E_PAD, mask=valid)
+
+
+@triton.jit
+def _scatter_chunk(
+    topk_ids_ptr, sorted_ids_ptr, chunk_start, base,  # base [E_PAD]: position of the chunk's first slot per expert
+    numel, num_experts, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
+):
+    offs_e = tl.arange(0, E_PAD)
+    run = base
+    for s in range(0, CHUNK, SUB):
+        offs = chunk_start + s + tl.arange(0, SUB)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
+        valid = (ids >= 0) & (ids < num_experts)
+        onehot = (ids[:, None] == offs_e[None, :]) & valid[:, None]  # [SUB, E_PAD]
+        count = onehot.to(tl.int32)
+        rank = tl.cumsum(count, axis=0) - 1 + run[None, :]
+        pos = tl.sum(tl.where(onehot, rank, 0), axis=1)  # [SUB]
+        tl.store(sorted_ids_ptr + pos, offs.to(tl.int32), mask=valid)
+        run += tl.sum(count, axis=0)
+
+
+@triton.jit
+def _padded_runs(totals, BLOCK_SIZE: tl.constexpr):
+    padded = tl.cdiv(totals, BLOCK_SIZE) * BLOCK_SIZE
+    ends = tl.cumsum(padded, axis=0)
+    return ends - padded, ends
+
+
+@triton.jit
+def _align_single_kernel(
+    topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+    numel, num_experts, max_padded, num_blocks,
+    BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
+    HAS_MAP: tl.constexpr, TILE: tl.constexpr,
+):
+    totals = _chunk_counts(topk_ids_ptr, 0, numel, num_experts, CHUNK, E_PAD)
+    starts, ends = _padded_runs(totals, BLOCK_SIZE)
+    _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+                  numel, max_padded, num_blocks, BLOCK_SIZE, E_PAD, HAS_MAP, TILE)
+    _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, 0, starts, numel, num_experts, CHUNK, SUB, E_PAD)
+
+
+@triton.jit
+def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    counts = _chunk_counts(topk_ids_ptr, pid * CHUNK, numel, num_experts, CHUNK, E_PAD)
+    tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit
+def _align_scan_kernel(
+    counts_ptr,  # [num_chunks, E_PAD] int32: in, per-chunk counts; out, per-chunk base positions
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+    num_chunks, numel, max_padded, num_blocks,
+    BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, CT: tl.constexpr, HAS_MAP: tl.constexpr, TILE: tl.constexpr,
+):
+    offs_e = tl.arange(0, E_PAD)
+    totals = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, CT):
+        offs_c = c0 + tl.arange(0, CT)
+        ptrs = counts_ptr + offs_c[:, None] * E_PAD + offs_e[None, :]
+        totals += tl.sum(tl.load(ptrs, mask=offs_c[:, None] < num_chunks, other=0), axis=0)
+    starts, ends = _padded_runs(totals, BLOCK_SIZE)
+    run = starts
+    for c0 in range(0, num_chunks, CT):
+        offs_c = c0 + tl.arange(0, CT)
+        ptrs = counts_ptr + offs_c[:, None] * E_PAD + offs_e[None, :]
+        mask = offs_c[:, None] < num_chunks
+        counts = tl.load(ptrs, mask=mask, other=0)  # [CT, E_PAD]
+        tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + run[None, :], mask=mask)
+        run += tl.sum(counts, axis=0)
+    _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+                  numel, max_padded, num_blocks, BLOCK_SIZE, E_PAD, HAS_MAP, TILE)
+
+
+@triton.jit
+def _align_scatter_kernel(
+    topk_ids_ptr, sorted_ids_ptr, base_ptr, numel, num_experts,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    base = tl.load(base_ptr + pid * E_PAD + tl.arange(0, E_PAD))
+    _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, pid * CHUNK, base, numel, num_experts, CHUNK, SUB, E_PAD)
+
+
+def align_output_sizes(numel: int, block_size: int, num_experts: int) -> tuple[int, int]:
+    """(len(sorted_token_ids), len(expert_ids)) for ``numel`` slots: static, worst case."""
+    max_padded = numel + num_experts * (block_size - 1)
+    if numel < num_experts:
+        max_padded = min(max_padded, numel * block_size)
+    return max_padded, triton.cdiv(max_padded, block_size)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the ``topk_ids.numel()`` slots by expert, each run padded to ``block_size``.
+
+    Args:
+        topk_ids: (M, topk) int32/int64, contiguous. Ids outside [0, num_experts) are skipped.
+        block_size: the GEMM's BLOCK_M (a power of two).
+        num_experts: global expert count E.
+        expert_map: optional (E,) int32, global id -> local id or -1 (remote); maps ``expert_ids``.
+
+    Returns:
+        sorted_token_ids (int32, ``numel + E*(block_size-1)``, capped at ``numel*block_size``):
+        slot indices grouped by expert in ascending order, padding = ``numel``;
+        expert_ids (int32, one per block; unused tail blocks 0);
+        num_tokens_post_padded (int32, (1,)): sum over experts of round_up(count, block_size).
+
+    Example:
+        >>> sorted_ids, expert_ids, ntpp = moe_align_block_size(topk_ids, 16, 8)
+    """
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, contiguous=True)
+    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts}")
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
+        if expert_map.shape[0] != num_experts:
+            raise ValueError(f"expert_map must have num_experts={num_experts} entries, got {expert_map.shape[0]}")
+    numel = topk_ids.numel()
+    max_padded, num_blocks = align_output_sizes(numel, block_size, num_experts)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    num_post_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    meta = dict(E_PAD=e_pad, HAS_MAP=expert_map is not None, TILE=64, BLOCK_SIZE=block_size)
+    emap = expert_map if expert_map is not None else expert_ids
+    chunk = min(MAX_CHUNK, max(16, triton.next_power_of_2(numel)))
+    sub = max(1, min(chunk, 4096 // e_pad))
+    if numel <= MAX_CHUNK:
+        _align_single_kernel[(1,)](
+            topk_ids, sorted_ids, expert_ids, num_post_padded, emap, numel, num_experts, max_padded, num_blocks,
+            CHUNK=chunk, SUB=sub, **meta,
+        )
+        return sorted_ids, expert_ids, num_post_padded
+    num_chunks = triton.cdiv(numel, chunk)
+    counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
+    _align_count_kernel[(num_chunks,)](topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad)
+    _align_scan_kernel[(1,)](
+        counts, sorted_ids, expert_ids, num_post_padded, emap, num_chunks, numel, max_padded, num_blocks,
+        CT=max(1, 4096 // e_pad), **meta,
+    )
+    _align_scatter_kernel[(num_chunks,)](
+        topk_ids, sorted_ids, counts, numel, num_experts, CHUNK=chunk, SUB=sub, E_PAD=e_pad
+    )
+    return sorted_ids, expert_ids, num_post_padded

@@ -1,0 +1,92 @@
+"""Jit helpers shared by the stage kernels: activations, tile ordering, the MoE tile matmul."""
+import triton
+import triton.language as tl
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def act_and_mul(gate, up, ACTIVATION: tl.constexpr):
+    """``act(gate) * up`` in float32; gate and up are [BM, BN] float32 tiles."""
+    if ACTIVATION == "silu":
+        out = gate * _sigmoid(gate) * up
+    elif ACTIVATION == "gelu":
+        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+    elif ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        out = 0.5 * gate * (1.0 + (2.0 * _sigmoid(2.0 * inner) - 1.0)) * up
+    else:  # swigluoai (GPT-OSS): clamp, alpha 1.702, (up + 1)
+        gate = tl.minimum(gate, 7.0)
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
+        out = gate * _sigmoid(1.702 * gate) * (up + 1.0)
+    return out
+
+
+@triton.jit
+def tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Grouped (swizzled) order of output tiles: GROUP_M row-blocks share each column sweep."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def moe_tile_matmul(
+    a_ptrs,  # [BM, BK] pointers at k = 0
+    b_ptrs,  # [BK, BN] pointers at k = 0
+    mask_m,  # [BM] valid rows
+    mask_n,  # [BN] valid columns
+    a_scale_ptrs,  # [BM] pointers to per-row (or per-row-group) activation scales
+    b_scale_ptrs,  # [BN] pointers to per-column (or per-column-group) weight scales
+    K,
+    stride_ak,
+    stride_bk,
+    stride_ask,
+    stride_bsk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """float32 [BM, BN] = A[rows, :K] @ B[:K, cols], dequantized.
+
+    QUANT: "none"; "scaled" (one scale per row of A and per column of B, broadcast by
+    zero strides for per-tensor scales, applied once at the end); "block" (scales per
+    GROUP_K slice of K, applied per K tile; GROUP_K is a multiple of BLOCK_K).
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+        if QUANT == "block":
+            k_group = (k * BLOCK_K) // GROUP_K
+            a_s = tl.load(a_scale_ptrs + k_group * stride_ask, mask=mask_m, other=0.0)
+            b_s = tl.load(b_scale_ptrs + k_group * stride_bsk, mask=mask_n, other=0.0)
+            acc += tl.dot(a, b, input_precision=PRECISION) * a_s[:, None] * b_s[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if QUANT == "scaled":
+        a_s = tl.load(a_scale_ptrs, mask=mask_m, other=0.0)
+        b_s = tl.load(b_scale_ptrs, mask=mask_n, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+    return acc

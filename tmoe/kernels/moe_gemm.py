@@ -1,0 +1,225 @@
+"""The two expert GEMMs: fused up/gate + activation, and down (optionally times the router weight).
+
+One kernel serves both (``GATED`` selects the epilogue) and both activation formats:
+Standard (rows found through the sorted slot ids of the align stage) and BatchedExperts
+(rows ``[0, expert_num_tokens[e])`` of each expert's fixed-capacity batch). The grid covers
+the worst case; programs read the real token counts from device memory and return early.
+All row and expert offsets are int64.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from dataclasses import dataclass
+
+import torch
+
+from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
+from tmoe.config import GemmConfig
+from tmoe.kernels.common import act_and_mul, moe_tile_matmul, tile_ids
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # Standard: [rows, K]; Batched: [E, cap, K]
+    w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) when GATED, else N
+    out_ptr,  # Standard: [num_slots, N]; Batched: [E, cap, N]
+    a_scale_ptr,  # [rows, K // GROUP_K] (zero strides broadcast per-tensor scales)
+    w_scale_ptr,  # [E, N_w // GROUP_N, K // GROUP_K]
+    topk_weights_ptr,  # [num_slots] float32
+    sorted_ids_ptr,  # [EM] int32, Standard only
+    expert_ids_ptr,  # [EM // BLOCK_M] int32, Standard only
+    num_post_padded_ptr,  # [1] int32, Standard only
+    expert_num_tokens_ptr,  # [E] int32, Batched only
+    N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert,
+    stride_ae, stride_am, stride_ak,
+    stride_we, stride_wn, stride_wk,
+    stride_oe, stride_om, stride_on,
+    stride_ase, stride_asm, stride_ask,
+    stride_wse, stride_wsn, stride_wsk,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATED: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    BATCHED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_bm = tl.arange(0, BLOCK_M)
+    if BATCHED:
+        expert = (pid_m // blocks_per_expert).to(tl.int64)
+        first_row = (pid_m % blocks_per_expert) * BLOCK_M
+        num_rows = tl.load(expert_num_tokens_ptr + expert)
+        if first_row >= num_rows:
+            return
+        rows = (first_row + offs_bm).to(tl.int64)  # [BM]
+        mask_m = rows < num_rows
+        a_rows = expert * stride_ae + rows * stride_am
+        out_rows = expert * stride_oe + rows * stride_om
+        scale_rows = expert * stride_ase + rows * stride_asm
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+            return
+        slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + offs_bm).to(tl.int64)  # [BM]
+        mask_m = slots < num_slots
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        a_rows = (slots // a_row_div) * stride_am
+        out_rows = slots * stride_om
+        scale_rows = (slots // a_row_div) * stride_asm
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    mask_n = offs_n < N
+    out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on  # [BM, BN]
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    if expert < 0:  # a remote expert (expert_map): its slots contribute exactly zero
+        tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask_out)
+        return
+    offs_k = tl.arange(0, BLOCK_K)
+    if GATED:  # interleaved columns: 2j is gate row n_j, 2j + 1 is up row N + n_j
+        offs_c = tl.arange(0, 2 * BLOCK_N)
+        w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
+        mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
+    else:
+        w_cols = offs_n
+        mask_c = mask_n
+    acc = moe_tile_matmul(
+        a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak,
+        w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + w_cols[None, :] * stride_wn,
+        mask_m, mask_c,
+        a_scale_ptr + scale_rows,
+        w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
+        K, stride_ak, stride_wk, stride_ask, stride_wsk,
+        BLOCK_M, BLOCK_N * (1 + GATED), BLOCK_K, GROUP_K, QUANT, EVEN_K, PRECISION,
+    )  # [BM, BN] float32, [BM, 2BN] when GATED
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
+        acc = acc * weight[:, None]
+    if GATED:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        acc = act_and_mul(gate, up, ACTIVATION)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where a Standard-format GEMM finds its rows: the align stage's outputs."""
+
+    sorted_token_ids: torch.Tensor  # [EM] int32
+    expert_ids: torch.Tensor  # [EM // block_m] int32
+    num_tokens_post_padded: torch.Tensor  # [1] int32
+    num_slots: int  # M * topk; the sentinel value in sorted_token_ids
+    a_row_div: int  # slot // a_row_div is the row of A: topk for (M, K) inputs, 1 for per-slot inputs
+
+
+@dataclass(frozen=True)
+class Scales:
+    """fp8 dequantization scales. ``block_shape`` None: a_scale has 1 or rows elements
+    (per-tensor / per-token), w_scale (E,) or (E, N_w[, 1]) (per-tensor / per-channel).
+    ``[bn, bk]``: a_scale (rows, cdiv(K, bk)), w_scale (E, cdiv(N_w, bn), cdiv(K, bk))."""
+
+    a_scale: torch.Tensor
+    w_scale: torch.Tensor
+    block_shape: tuple[int, int] | None = None
+
+
+def _scale_args(scales: Scales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> dict:
+    if scales is None:
+        dummy = a.new_empty(0, dtype=torch.float32)
+        return dict(a_scale_ptr=dummy, w_scale_ptr=dummy, stride_ase=0, stride_asm=0, stride_ask=0,
+                    stride_wse=0, stride_wsn=0, stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="none")
+    a_s, w_s = scales.a_scale, scales.w_scale
+    check_tensor("a_scale", a_s, dtypes=(torch.float32,), device=a.device)
+    check_tensor("w_scale", w_s, dtypes=(torch.float32,), device=a.device)
+    e, n_w, k = w.shape
+    batched = a.dim() == 3
+    if scales.block_shape is not None:
+        gn, gk = scales.block_shape
+        if gk % config.block_k:
+            raise ValueError(f"block_shape[1]={gk} must be a multiple of block_k={config.block_k}")
+        want_a = (*a.shape[:-1], triton.cdiv(k, gk))
+        want_w = (e, triton.cdiv(n_w, gn), triton.cdiv(k, gk))
+        if tuple(a_s.shape) != want_a:
+            raise ValueError(f"a_scale must have shape {want_a} for block quantization, got {tuple(a_s.shape)}")
+        if tuple(w_s.shape) != want_w:
+            raise ValueError(f"w_scale must have shape {want_w} for block quantization, got {tuple(w_s.shape)}")
+        a_st = (a_s.stride(0) if batched else 0, a_s.stride(-2), a_s.stride(-1))
+        w_st = w_s.stride()
+        return dict(a_scale_ptr=a_s, w_scale_ptr=w_s, stride_ase=a_st[0], stride_asm=a_st[1], stride_ask=a_st[2],
+                    stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=w_st[2], GROUP_N=gn, GROUP_K=gk, QUANT="block")
+    if a_s.numel() == 1:
+        a_st = (0, 0)
+    elif a_s.numel() == a.numel() // a.shape[-1]:
+        a_st = (a_s.stride(0), a_s.stride(1)) if batched else (0, a_s.stride(0))
+    else:
+        raise ValueError(f"a_scale must have 1 or {a.numel() // a.shape[-1]} (one per row) elements, got {a_s.numel()}")
+    if w_s.numel() == e:
+        w_st = (w_s.stride(0), 0)
+    elif w_s.numel() == e * n_w:
+        w_st = (w_s.stride(0), w_s.stride(1))
+    else:
+        raise ValueError(f"w_scale must have {e} (per tensor) or {e * n_w} (per channel) elements, got {w_s.numel()}")
+    return dict(a_scale_ptr=a_s, w_scale_ptr=w_s, stride_ase=a_st[0], stride_asm=a_st[1], stride_ask=0,
+                stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="scaled")
+
+
+def invoke_moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    config: GemmConfig,
+    *,
+    gated: bool,
+    activation: str = "silu",
+    routing: Routing | None = None,
+    expert_num_tokens: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    scales: Scales | None = None,
+) -> torch.Tensor:
+    """Launch one expert GEMM into ``out``; exactly one of ``routing`` (Standard) and
+    ``expert_num_tokens`` (Batched) is given. ``topk_weights`` ([num_slots] float32) multiplies
+    each slot's accumulator (Standard only). Shapes were checked by the caller."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    batched = routing is None
+    if batched:
+        cap = a.shape[1]
+        blocks_per_expert = triton.cdiv(cap, config.block_m)
+        num_pid_m = w.shape[0] * blocks_per_expert
+        dummy_i32 = expert_num_tokens
+        route = dict(sorted_ids_ptr=dummy_i32, expert_ids_ptr=dummy_i32, num_post_padded_ptr=dummy_i32,
+                     expert_num_tokens_ptr=expert_num_tokens, num_slots=0, a_row_div=1,
+                     stride_ae=a.stride(0), stride_oe=out.stride(0))
+    else:
+        blocks_per_expert = 1
+        num_pid_m = routing.expert_ids.shape[0]
+        route = dict(sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
+                     num_post_padded_ptr=routing.num_tokens_post_padded,
+                     expert_num_tokens_ptr=routing.num_tokens_post_padded,
+                     num_slots=routing.num_slots, a_row_div=routing.a_row_div, stride_ae=0, stride_oe=0)
+    if num_pid_m == 0 or n == 0:
+        return out
+    grid = (num_pid_m * triton.cdiv(n, config.block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, out, topk_weights_ptr=topk_weights if topk_weights is not None else w,
+        N=n, K=k, num_pid_m=num_pid_m, blocks_per_expert=blocks_per_expert,
+        stride_am=a.stride(-2), stride_ak=a.stride(-1),
+        stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
+        stride_om=out.stride(-2), stride_on=out.stride(-1),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        GATED=gated, ACTIVATION=activation, MUL_ROUTED_WEIGHT=topk_weights is not None, BATCHED=batched,
+        EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **route, **_scale_args(scales, a, w, config),
+    )
+    return out
+
+
+def check_gemm_operands(a_name: str, a: torch.Tensor, w_name: str, w: torch.Tensor, k_dim: str) -> None:
+    """``a`` (..., K) and ``w`` (E, N_w, K) on one device, float or fp8 (both or neither)."""
+    dtypes = FLOAT_DTYPES + FP8_DTYPES
+    check_tensor(a_name, a, dtypes=dtypes)
+    check_tensor(w_name, w, dtypes=dtypes, ndim=3, device=a.device)
+    if (a.dtype in FP8_DTYPES) != (w.dtype in FP8_DTYPES):
+        raise TypeError(f"{a_name} ({a.dtype}) and {w_name} ({w.dtype}) must both be fp8 or both not")
+    if a.dtype not in FP8_DTYPES and a.dtype != w.dtype:
+        raise TypeError(f"{a_name} ({a.dtype}) and {w_name} ({w.dtype}) must have the same dtype")
+    if a.shape[-1] != w.shape[2]:
+        raise ValueError(f"{a_name} has {k_dim}={a.shape[-1]} but {w_name} has {w.shape[2]} in its last dimension")

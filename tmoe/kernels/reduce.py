@@ -1,0 +1,94 @@
+"""Weighted top-k reduce: out[m] = sum_t w[m, t] * y[m, t] over the slots some local expert computed."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
+
+
+@triton.jit
+def _moe_reduce_kernel(
+    y_ptr,  # [M, TOPK, K]
+    weights_ptr,  # [M, TOPK] float32
+    topk_ids_ptr,  # [M, TOPK] int32/int64
+    expert_map_ptr,  # [E] int32
+    out_ptr,  # [M, K]
+    K, num_experts,
+    stride_ym, stride_yt, stride_yk, stride_wm, stride_im, stride_om, stride_ok,
+    TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
+    APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    offs_k = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for t in tl.static_range(TOPK):
+        expert = tl.load(topk_ids_ptr + pid_m * stride_im + t)
+        computed = (expert >= 0) & (expert < num_experts)
+        if HAS_MAP:
+            computed &= tl.load(expert_map_ptr + expert, mask=computed, other=-1) >= 0
+        # slots nothing computed are never read: they contribute exactly zero
+        y = tl.load(y_ptr + pid_m * stride_ym + t * stride_yt + offs_k * stride_yk, mask=mask_k & computed, other=0.0)
+        y = y.to(tl.float32)
+        if APPLY_WEIGHTS:
+            y *= tl.load(weights_ptr + pid_m * stride_wm + t)
+        acc += y
+    tl.store(out_ptr + pid_m * stride_om + offs_k * stride_ok, acc.to(out_ptr.dtype.element_ty), mask=mask_k)
+
+
+def moe_reduce(
+    y: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    topk_weights: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[m, :] = sum_t w[m, t] * y[m, t, :], accumulated in float32, over computed slots.
+
+    Args:
+        y: (M, topk, K) float expert outputs in slot order.
+        topk_ids: (M, topk) int32/int64; a slot whose id is outside [0, num_experts) or
+            (with ``expert_map``) remote is skipped, never read.
+        num_experts: global expert count.
+        topk_weights: (M, topk) float32, or None when the down GEMM already applied them.
+        expert_map: optional (num_experts,) int32, -1 for remote experts.
+        out: optional (M, K) output, ``y.dtype`` by default.
+
+    Returns:
+        (M, K) tensor.
+    """
+    check_tensor("y", y, dtypes=FLOAT_DTYPES, ndim=3)
+    m, topk, k = y.shape
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=y.device)
+    check_shape("topk_ids", topk_ids, (m, topk))
+    if topk_ids.stride(1) != 1:
+        raise ValueError("topk_ids must be contiguous along its last dimension")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=y.device)
+        check_shape("topk_weights", topk_weights, (m, topk))
+        if topk_weights.stride(1) != 1:
+            raise ValueError("topk_weights must be contiguous along its last dimension")
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=y.device, contiguous=True)
+        check_shape("expert_map", expert_map, (num_experts,))
+    if out is None:
+        out = torch.empty((m, k), dtype=y.dtype, device=y.device)
+    else:
+        check_tensor("out", out, dtypes=FLOAT_DTYPES, ndim=2, device=y.device)
+        check_shape("out", out, (m, k))
+    if m == 0 or k == 0:
+        return out
+    block_k = min(1024, triton.next_power_of_2(k))
+    weights = topk_weights if topk_weights is not None else y
+    _moe_reduce_kernel[(m, triton.cdiv(k, block_k))](
+        y, weights, topk_ids, expert_map if expert_map is not None else topk_ids, out,
+        K=k, num_experts=num_experts,
+        stride_ym=y.stride(0), stride_yt=y.stride(1), stride_yk=y.stride(2),
+        stride_wm=weights.stride(0), stride_im=topk_ids.stride(0), stride_om=out.stride(0), stride_ok=out.stride(1),
+        TOPK=topk, BLOCK_K=block_k, APPLY_WEIGHTS=topk_weights is not None, HAS_MAP=expert_map is not None,
+        num_warps=4,
+    )
+    return out
