@@ -80,3 +80,42 @@ def moe_reference(
             y = w2[e] @ act_and_mul_reference(h[:n], h[n:], activation)
             out[m] += y if apply_router_weight_on_input else weights[m, t] * y
     return out
+
+
+def topk_route_reference(
+    router_logits: torch.Tensor,
+    topk: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool = True,
+    num_expert_group: int | None = None,
+    topk_group: int | None = None,
+    e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``grouped_topk`` / ``fused_topk`` with exact lowest-index-wins ties (stable sorts).
+
+    Selection key: the logit without a bias (monotone in the score), ``score + bias`` with one;
+    NaN logits read as -inf. Returns (M, topk) float32 weights and int32 ids in pick order.
+    """
+    x = router_logits.to(dtype)
+    x = x.masked_fill(x.isnan(), float("-inf"))
+    scores = torch.softmax(x, dim=-1) if scoring == "softmax" else torch.sigmoid(x)
+    bias = e_score_correction_bias
+    key = x if bias is None else scores + bias.to(dtype)
+    if num_expert_group:
+        m, e = key.shape
+        groups = key.view(m, num_expert_group, e // num_expert_group)
+        if bias is None:
+            group_scores = groups.max(dim=-1).values
+        else:
+            group_scores = groups.topk(min(2, groups.shape[-1]), dim=-1).values.sum(dim=-1)
+        kept = group_scores.sort(dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        key = key.masked_fill(~keep[:, :, None].expand_as(groups).reshape(m, e), float("-inf"))
+    ids = key.sort(dim=-1, descending=True, stable=True).indices[:, :topk]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights * routed_scaling_factor).float(), ids.int()

@@ -18,13 +18,19 @@ MAX_CHUNK = 1024
 @triton.jit
 def _write_layout(
     starts, totals, ends,  # [E_PAD] int32: first position, slot count, end of the padded run
-    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
-    numel, max_padded, num_blocks,
-    BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, TILE: tl.constexpr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
+    numel, num_experts, max_padded, num_blocks,
+    BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+    TILE: tl.constexpr,
 ):
-    """Write everything but the real slots: the padded length, each block's expert, the sentinels."""
+    """Write everything but the real slots: the padded length, each block's expert, the sentinels,
+    and (HAS_OFFSETS) each expert's first position, ``offsets[E]`` = the padded length."""
     total_padded = tl.sum(ends - starts, axis=0)
     tl.store(num_post_padded_ptr, total_padded)
+    if HAS_OFFSETS:
+        offs_e = tl.arange(0, E_PAD)
+        tl.store(offsets_ptr + offs_e, starts, mask=offs_e < num_experts)
+        tl.store(offsets_ptr + num_experts, total_padded)
     for b0 in range(0, num_blocks, TILE):
         offs_b = b0 + tl.arange(0, TILE)
         pos = offs_b * BLOCK_SIZE
@@ -77,15 +83,16 @@ def _padded_runs(totals, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def _align_single_kernel(
-    topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+    topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
     numel, num_experts, max_padded, num_blocks,
     BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
-    HAS_MAP: tl.constexpr, TILE: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr,
 ):
     totals = _chunk_counts(topk_ids_ptr, 0, numel, num_experts, CHUNK, E_PAD)
     starts, ends = _padded_runs(totals, BLOCK_SIZE)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
-                  numel, max_padded, num_blocks, BLOCK_SIZE, E_PAD, HAS_MAP, TILE)
+                  offsets_ptr, numel, num_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD, HAS_MAP, HAS_OFFSETS,
+                  TILE)
     _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, 0, starts, numel, num_experts, CHUNK, SUB, E_PAD)
 
 
@@ -99,9 +106,10 @@ def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.
 @triton.jit
 def _align_scan_kernel(
     counts_ptr,  # [num_chunks, E_PAD] int32: in, per-chunk counts; out, per-chunk base positions
-    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
-    num_chunks, numel, max_padded, num_blocks,
-    BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, CT: tl.constexpr, HAS_MAP: tl.constexpr, TILE: tl.constexpr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
+    num_chunks, numel, num_experts, max_padded, num_blocks,
+    BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, CT: tl.constexpr, HAS_MAP: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr,
 ):
     offs_e = tl.arange(0, E_PAD)
     totals = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -119,7 +127,8 @@ def _align_scan_kernel(
         tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + run[None, :], mask=mask)
         run += tl.sum(counts, axis=0)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
-                  numel, max_padded, num_blocks, BLOCK_SIZE, E_PAD, HAS_MAP, TILE)
+                  offsets_ptr, numel, num_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD, HAS_MAP, HAS_OFFSETS,
+                  TILE)
 
 
 @triton.jit
@@ -141,7 +150,8 @@ def align_output_sizes(numel: int, block_size: int, num_experts: int) -> tuple[i
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None,
+    expert_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the ``topk_ids.numel()`` slots by expert, each run padded to ``block_size``.
 
@@ -150,6 +160,8 @@ def moe_align_block_size(
         block_size: the GEMM's BLOCK_M (a power of two).
         num_experts: global expert count E.
         expert_map: optional (E,) int32, global id -> local id or -1 (remote); maps ``expert_ids``.
+        expert_offsets: optional (E + 1,) int32 output: each expert's first position in
+            ``sorted_token_ids``, then the padded length.
 
     Returns:
         sorted_token_ids (int32, ``numel + E*(block_size-1)``, capped at ``numel*block_size``):
@@ -169,6 +181,10 @@ def moe_align_block_size(
         check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
         if expert_map.shape[0] != num_experts:
             raise ValueError(f"expert_map must have num_experts={num_experts} entries, got {expert_map.shape[0]}")
+    if expert_offsets is not None:
+        check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32,), ndim=1, device=topk_ids.device)
+        if expert_offsets.shape[0] != num_experts + 1:
+            raise ValueError(f"expert_offsets must have num_experts + 1 = {num_experts + 1} entries")
     numel = topk_ids.numel()
     max_padded, num_blocks = align_output_sizes(numel, block_size, num_experts)
     dev = topk_ids.device
@@ -176,21 +192,24 @@ def moe_align_block_size(
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_post_padded = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = max(16, triton.next_power_of_2(num_experts))
-    meta = dict(E_PAD=e_pad, HAS_MAP=expert_map is not None, TILE=64, BLOCK_SIZE=block_size)
-    emap = expert_map if expert_map is not None else expert_ids
+    meta = dict(E_PAD=e_pad, HAS_MAP=expert_map is not None, HAS_OFFSETS=expert_offsets is not None, TILE=64,
+                BLOCK_SIZE=block_size)
+    emap = expert_map if expert_map is not None else num_post_padded
+    offsets = expert_offsets if expert_offsets is not None else num_post_padded
     chunk = min(MAX_CHUNK, max(16, triton.next_power_of_2(numel)))
     sub = max(1, min(chunk, 4096 // e_pad))
     if numel <= MAX_CHUNK:
         _align_single_kernel[(1,)](
-            topk_ids, sorted_ids, expert_ids, num_post_padded, emap, numel, num_experts, max_padded, num_blocks,
-            CHUNK=chunk, SUB=sub, **meta,
+            topk_ids, sorted_ids, expert_ids, num_post_padded, emap, offsets, numel, num_experts, max_padded,
+            num_blocks, CHUNK=chunk, SUB=sub, **meta,
         )
         return sorted_ids, expert_ids, num_post_padded
     num_chunks = triton.cdiv(numel, chunk)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
     _align_count_kernel[(num_chunks,)](topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad)
     _align_scan_kernel[(1,)](
-        counts, sorted_ids, expert_ids, num_post_padded, emap, num_chunks, numel, max_padded, num_blocks,
+        counts, sorted_ids, expert_ids, num_post_padded, emap, offsets, num_chunks, numel, num_experts, max_padded,
+        num_blocks,
         CT=max(1, 4096 // e_pad), **meta,
     )
     _align_scatter_kernel[(num_chunks,)](

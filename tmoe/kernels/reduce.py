@@ -14,11 +14,12 @@ def _moe_reduce_kernel(
     weights_ptr,  # [M, TOPK] float32
     topk_ids_ptr,  # [M, TOPK] int32/int64
     expert_map_ptr,  # [E] int32
+    rows_ptr,  # [M, TOPK] int32 row of each slot in y viewed as [rows, K], -1 = not computed (HAS_ROWS)
     out_ptr,  # [M, K]
     K, num_experts,
     stride_ym, stride_yt, stride_yk, stride_wm, stride_im, stride_om, stride_ok,
     TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-    APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr,
+    APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     offs_k = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -29,8 +30,14 @@ def _moe_reduce_kernel(
         computed = (expert >= 0) & (expert < num_experts)
         if HAS_MAP:
             computed &= tl.load(expert_map_ptr + expert, mask=computed, other=-1) >= 0
+        if HAS_ROWS:
+            row = tl.load(rows_ptr + pid_m * TOPK + t, mask=computed, other=-1).to(tl.int64)
+            computed &= row >= 0
+            y_row = y_ptr + row * stride_yt
+        else:
+            y_row = y_ptr + pid_m * stride_ym + t * stride_yt
         # slots nothing computed are never read: they contribute exactly zero
-        y = tl.load(y_ptr + pid_m * stride_ym + t * stride_yt + offs_k * stride_yk, mask=mask_k & computed, other=0.0)
+        y = tl.load(y_row + offs_k * stride_yk, mask=mask_k & computed, other=0.0)
         y = y.to(tl.float32)
         if APPLY_WEIGHTS:
             y *= tl.load(weights_ptr + pid_m * stride_wm + t)
@@ -45,25 +52,32 @@ def moe_reduce(
     topk_weights: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[m, :] = sum_t w[m, t] * y[m, t, :], accumulated in float32, over computed slots.
 
     Args:
-        y: (M, topk, K) float expert outputs in slot order.
+        y: (M, topk, K) float expert outputs in slot order; with ``rows``, any (R, K) tensor.
         topk_ids: (M, topk) int32/int64; a slot whose id is outside [0, num_experts) or
             (with ``expert_map``) remote is skipped, never read.
         num_experts: global expert count.
         topk_weights: (M, topk) float32, or None when the down GEMM already applied them.
         expert_map: optional (num_experts,) int32, -1 for remote experts.
         out: optional (M, K) output, ``y.dtype`` by default.
+        rows: optional (M, topk) int32, contiguous: slot (m, t) reads y[rows[m, t]]; -1 skips it.
 
     Returns:
         (M, K) tensor.
     """
-    check_tensor("y", y, dtypes=FLOAT_DTYPES, ndim=3)
-    m, topk, k = y.shape
+    check_tensor("y", y, dtypes=FLOAT_DTYPES, ndim=3 if rows is None else 2)
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=y.device)
-    check_shape("topk_ids", topk_ids, (m, topk))
+    m, topk = topk_ids.shape
+    k = y.shape[-1]
+    if rows is None:
+        check_shape("y", y, (m, topk, k))
+    else:
+        check_tensor("rows", rows, dtypes=(torch.int32,), ndim=2, device=y.device, contiguous=True)
+        check_shape("rows", rows, (m, topk))
     if topk_ids.stride(1) != 1:
         raise ValueError("topk_ids must be contiguous along its last dimension")
     if topk_weights is not None:
@@ -84,11 +98,12 @@ def moe_reduce(
     block_k = min(1024, triton.next_power_of_2(k))
     weights = topk_weights if topk_weights is not None else y
     _moe_reduce_kernel[(m, triton.cdiv(k, block_k))](
-        y, weights, topk_ids, expert_map if expert_map is not None else topk_ids, out,
-        K=k, num_experts=num_experts,
-        stride_ym=y.stride(0), stride_yt=y.stride(1), stride_yk=y.stride(2),
+        y, weights, topk_ids, expert_map if expert_map is not None else topk_ids,
+        rows if rows is not None else topk_ids, out, K=k, num_experts=num_experts,
+        stride_ym=y.stride(0) if rows is None else 0, stride_yt=y.stride(-2), stride_yk=y.stride(-1),
         stride_wm=weights.stride(0), stride_im=topk_ids.stride(0), stride_om=out.stride(0), stride_ok=out.stride(1),
         TOPK=topk, BLOCK_K=block_k, APPLY_WEIGHTS=topk_weights is not None, HAS_MAP=expert_map is not None,
+        HAS_ROWS=rows is not None,
         num_warps=4,
     )
     return out

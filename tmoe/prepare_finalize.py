@@ -1,0 +1,65 @@
+"""PrepareAndFinalize implementations: single device (Standard) and fixed-capacity batches."""
+from __future__ import annotations
+
+import torch
+
+from tmoe.kernels.dispatch import batched_dispatch
+from tmoe.kernels.reduce import moe_reduce
+from tmoe.modular import FusedMoEActivationFormat, FusedMoEPrepareAndFinalize, FusedMoEQuantConfig, PrepareResult
+from tmoe.quantize import quantize_activations
+
+
+class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
+    """One device, no expert parallelism: prepare quantizes (or passes through); finalize is
+    the weighted top-k reduce."""
+
+    @property
+    def activation_format(self) -> FusedMoEActivationFormat:
+        return FusedMoEActivationFormat.Standard
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                quant_config, a1_scale=None) -> PrepareResult:
+        a1q, scale = quantize_activations(a1, quant_config, a1_scale)
+        return PrepareResult(a1q, scale)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
+                 num_experts, expert_map, prepared) -> None:
+        weights = None if apply_router_weight_on_input else topk_weights
+        moe_reduce(fused_expert_output, topk_ids, num_experts, weights, expert_map, out=output)
+
+
+class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalize):
+    """Scatter tokens into ``(local_experts, max_num_tokens, K)`` batches with per-expert device
+    counts: the layout of low-latency expert-parallel all-to-all. An expert's slots beyond
+    ``max_num_tokens`` are dropped, keeping the lowest slot indices; dropped slots contribute
+    zero to the output."""
+
+    def __init__(self, max_num_tokens: int, num_local_experts: int) -> None:
+        if max_num_tokens < 1 or num_local_experts < 1:
+            raise ValueError("max_num_tokens and num_local_experts must be positive")
+        self.max_num_tokens = max_num_tokens
+        self.num_local_experts = num_local_experts
+
+    @property
+    def activation_format(self) -> FusedMoEActivationFormat:
+        return FusedMoEActivationFormat.BatchedExperts
+
+    def max_num_tokens_per_rank(self) -> int:
+        return self.max_num_tokens
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                quant_config: FusedMoEQuantConfig, a1_scale=None) -> PrepareResult:
+        if apply_router_weight_on_input:
+            raise ValueError("apply_router_weight_on_input is not supported by BatchedPrepareAndFinalize")
+        a1q, scale = quantize_activations(a1, quant_config, a1_scale)
+        per_token_scale = scale if scale is not None and scale.numel() != 1 else None
+        batches, batch_scale, expert_num_tokens, rows = batched_dispatch(
+            a1q, topk_ids, num_experts, self.num_local_experts, self.max_num_tokens,
+            x_scale=per_token_scale, expert_map=expert_map,
+        )
+        return PrepareResult(batches, batch_scale if per_token_scale is not None else scale, expert_num_tokens, rows)
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
+                 num_experts, expert_map, prepared) -> None:
+        flat = fused_expert_output.reshape(-1, fused_expert_output.shape[-1])
+        moe_reduce(flat, topk_ids, num_experts, topk_weights, None, out=output, rows=prepared.dispatch_rows)
