@@ -41,13 +41,16 @@ def _seed_and_poison(monkeypatch):
     torch.manual_seed(0)
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
+    def fill(t):
+        with torch.no_grad():
+            t.fill_(float("nan") if t.dtype.is_floating_point else (-7 if t.is_signed() else 7))
+        return t
+
     def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.dtype.is_floating_point else t.fill_(-7 if t.is_signed() else 7)
+        return fill(real_empty(*args, **kwargs))
 
     def empty_like(*args, **kwargs):
-        t = real_empty_like(*args, **kwargs)
-        return t.fill_(float("nan")) if t.dtype.is_floating_point else t.fill_(-7 if t.is_signed() else 7)
+        return fill(real_empty_like(*args, **kwargs))
 
     monkeypatch.setattr(torch, "empty", empty)
     monkeypatch.setattr(torch, "empty_like", empty_like)

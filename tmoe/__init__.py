@@ -3,6 +3,15 @@
 Stages: ``moe_align_block_size`` -> ``moe_gemm_up`` (up/gate + activation) -> ``moe_gemm_down``
 -> ``moe_reduce``, composed by ``fused_experts`` and the modular kernel.
 """
+import os as _os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    # Triton has no CPU backend: without a GPU the kernels run under its interpreter (set before
+    # any @triton.jit is defined; an explicit TRITON_INTERPRET wins).
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tmoe import ops as _ops  # noqa: F401  (registers torch.ops.tmoe.*)
 from tmoe.config import GemmConfig, MoEConfig, get_config, override_config
 from tmoe.experts import BatchedTritonExperts, TritonExperts

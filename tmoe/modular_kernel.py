@@ -94,9 +94,6 @@ class FusedMoEModularKernel(nn.Module):
         num_experts = global_num_experts if global_num_experts > 0 else e_local
         if m == 0:
             return output
-        max_tokens = pf.max_num_tokens_per_rank()
-        if max_tokens is not None and m > max_tokens and not experts.supports_chunking():
-            raise ValueError(f"{m} tokens exceed {type(pf).__name__}'s max_num_tokens={max_tokens}")
         chunk = min(m, self.chunk_size) if experts.supports_chunking() else m
         ws13_shape, ws2_shape, _ = experts.workspace_shapes(hidden_states, chunk, n, k, topk, num_experts, e_local)
         workspace13 = torch.empty(math.prod(ws13_shape), dtype=hidden_states.dtype, device=hidden_states.device)

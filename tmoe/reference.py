@@ -61,24 +61,22 @@ def moe_reference(
     """The MoE layer: out[m] = sum_t w[m,t] * w2[e] @ act_and_mul(w1[e] @ x[m]), e = topk_ids[m,t].
 
     w1 (E_local, 2N, K) gate rows first; w2 (E_local, K, N). Slots of out-of-range or remote
-    experts contribute zero. Returns (M, K) in ``dtype``.
+    experts contribute zero. Computed expert by expert in ``dtype``; returns (M, K).
     """
     num_experts = global_num_experts if global_num_experts > 0 else w1.shape[0]
-    x, w1, w2 = hidden_states.to(dtype), w1.to(dtype), w2.to(dtype)
     n = w1.shape[1] // 2
-    weights = topk_weights.to(dtype)
+    x = hidden_states.to(dtype)
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=dtype, device=x.device)
-    ok = valid_slots(topk_ids, num_experts, expert_map)
-    for m in range(x.shape[0]):
-        for t in range(topk_ids.shape[1]):
-            if not ok[m, t]:
-                continue
-            e = int(topk_ids[m, t])
-            e = e if expert_map is None else int(expert_map[e])
-            xm = x[m] * weights[m, t] if apply_router_weight_on_input else x[m]
-            h = w1[e] @ xm
-            y = w2[e] @ act_and_mul_reference(h[:n], h[n:], activation)
-            out[m] += y if apply_router_weight_on_input else weights[m, t] * y
+    for e in range(num_experts):
+        local = e if expert_map is None else int(expert_map[e])
+        rows, cols = (topk_ids == e).nonzero(as_tuple=True)
+        if local < 0 or rows.numel() == 0:
+            continue
+        weight = topk_weights[rows, cols].to(dtype).unsqueeze(1)
+        xe = x[rows] * weight if apply_router_weight_on_input else x[rows]
+        h = xe @ w1[local].to(dtype).T
+        y = act_and_mul_reference(h[:, :n], h[:, n:], activation) @ w2[local].to(dtype).T
+        out.index_add_(0, rows, y if apply_router_weight_on_input else y * weight)
     return out
 
 
@@ -119,3 +117,66 @@ def topk_route_reference(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return (weights * routed_scaling_factor).float(), ids.int()
+
+
+# FP8 (e4m3fn) quantization: q = clamp(x / scale, ±448) in float32, cast rounding to nearest even.
+# Quotients are taken in float64 and rounded to float32, which is exactly IEEE float32 division
+# (53 >= 2 * 24 + 2 bits) on every device; the kernels divide that way too (tl.div_rn). Torch's
+# CUDA division by a Python scalar multiplies by the reciprocal instead, 1 ulp off at times.
+FP8_MAX = 448.0
+
+
+def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a / b for float32 tensors (b on a's device), correctly rounded to float32."""
+    return (a.double() / b.double()).float()
+
+
+def fp8_scale_reference(absmax: torch.Tensor, eps: float, use_ue8m0: bool = False) -> torch.Tensor:
+    """max(absmax, eps) / 448; ``use_ue8m0``: rounded up to the next power of two."""
+    scale = _div(absmax.float().clamp(min=eps), absmax.new_full((), FP8_MAX, dtype=torch.float32))
+    if use_ue8m0:
+        mantissa, _ = torch.frexp(scale)  # scale = mantissa * 2**e, mantissa in [0.5, 1)
+        scale = torch.where((mantissa == 0.5) | scale.isinf(), scale, _div(scale, mantissa))  # 2**e, exactly
+    return scale
+
+
+def fp8_cast_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """clamp(x / scale, ±448) as float8_e4m3fn (torch.clamp keeps NaN)."""
+    return _div(x.float(), scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _absmax_ignoring_nan(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x.isnan(), 0.0, x.abs()).amax(dim=-1, keepdim=True)
+
+
+def per_token_group_quant_fp8_reference(
+    x: torch.Tensor, group_size: int, eps: float = 1e-10, use_ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) -> (q (..., K) float8_e4m3fn, scales (..., K // group_size) float32)."""
+    groups = x.float().unflatten(-1, (-1, group_size))  # [..., G, group_size]
+    scale = fp8_scale_reference(_absmax_ignoring_nan(groups), eps, use_ue8m0)  # [..., G, 1]
+    return fp8_cast_reference(groups, scale).flatten(-2), scale.squeeze(-1)
+
+
+def per_token_quant_fp8_reference(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K), K > 0 -> (q (..., K) float8_e4m3fn, scales (..., 1) float32)."""
+    scale = fp8_scale_reference(_absmax_ignoring_nan(x.float()), eps)
+    return fp8_cast_reference(x, scale), scale
+
+
+def static_quant_fp8_reference(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (..., K), one-element float32 scale -> (..., K) float8_e4m3fn."""
+    return fp8_cast_reference(x, scale.float().reshape(()))
+
+
+def dequantize_fp8_reference(
+    q: torch.Tensor, scale: torch.Tensor, block_shape: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """float32 q * scale. Each scale covers a ``block_shape`` block of q's trailing dims (ragged
+    edge blocks included), e.g. (group_size,) for group scales, (128, 128) for block weights;
+    None broadcasts ``scale`` as is (per-token (..., 1), per-channel (E, N, 1))."""
+    s = scale.float()
+    if block_shape is not None:
+        for dim, block in enumerate(block_shape, start=q.dim() - len(block_shape)):
+            s = s.repeat_interleave(block, dim=dim).narrow(dim, 0, q.shape[dim])
+    return q.float() * s

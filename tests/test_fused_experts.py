@@ -1,0 +1,134 @@
+"""The composed layer (tmoe.fused_experts) against tmoe.reference.moe_reference."""
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given
+
+import tmoe
+from tmoe.reference import moe_reference
+from tmoe.testing import assert_close
+from tmoe.testing.strategies import MoEShape, make_problem, problems
+from tests.test_align import half_remote_map
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: MoEShape
+    routing: str = "uniform"
+    activation: str = "silu"
+
+
+CASES = [
+    Case(MoEShape(0, 4, 64, 64, 2)),
+    Case(MoEShape(1, 4, 64, 64, 2)),
+    Case(MoEShape(1, 1, 64, 64, 1)),  # E = 1
+    Case(MoEShape(5, 4, 100, 72, 2)),  # odd N and K
+    Case(MoEShape(9, 4, 64, 64, 4)),  # topk = E
+    Case(MoEShape(12, 8, 64, 64, 1)),  # topk = 1
+    Case(MoEShape(16, 8, 64, 64, 2), "empty_experts"),
+    Case(MoEShape(16, 8, 64, 64, 2), "one_hot"),  # all tokens on the same experts
+    Case(MoEShape(40, 8, 64, 64, 2), "skewed"),
+    Case(MoEShape(17, 4, 64, 64, 2), "out_of_range"),
+    Case(MoEShape(70, 4, 64, 72, 2), "uniform"),  # several row blocks per expert
+    Case(MoEShape(6, 4, 100, 64, 2), "uniform", "gelu"),
+    Case(MoEShape(6, 4, 64, 64, 2), "uniform", "gelu_tanh"),
+    Case(MoEShape(6, 4, 64, 64, 2), "uniform", "swigluoai"),
+]
+
+
+def run_and_check(p, dtype, **kwargs):
+    out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kwargs)
+    ref_kwargs = {k: v for k, v in kwargs.items() if k in ("activation", "apply_router_weight_on_input",
+                                                             "expert_map", "global_num_experts")}
+    ref = moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **ref_kwargs)
+    assert out.dtype == p.x.dtype
+    assert_close(out, ref, dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_fused_experts_cases(case, dtype):
+    p = make_problem(case.shape, dtype, case.routing, seed=hash(str(case)) % 1000, device=DEVICE)
+    run_and_check(p, dtype, activation=case.activation)
+
+
+@given(problems(device=DEVICE))
+def test_fused_experts_property(p):
+    run_and_check(p, p.x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_map_half_remote(dtype):
+    """Global E=8, this rank holds the 4 even experts: remote slots contribute exactly zero."""
+    shape = MoEShape(23, 8, 64, 64, 2)
+    p = make_problem(shape, dtype, "out_of_range", seed=3, device=DEVICE)
+    emap = half_remote_map(8, DEVICE)
+    local = torch.arange(8, device=DEVICE)[emap >= 0]
+    w1, w2 = p.w1[local].contiguous(), p.w2[local].contiguous()
+    out = tmoe.fused_experts(p.x, w1, w2, p.topk_weights, p.topk_ids, global_num_experts=8, expert_map=emap)
+    ref = moe_reference(p.x, w1, w2, p.topk_weights, p.topk_ids, expert_map=emap, global_num_experts=8)
+    assert_close(out, ref, dtype)
+    all_remote = ~((p.topk_ids >= 0) & (p.topk_ids < 8) & (p.topk_ids % 2 == 0)).any(-1)
+    assert bool((out[all_remote] == 0).all()), "tokens routed only to remote experts must be exactly zero"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_router_weight_on_input(dtype):
+    p = make_problem(MoEShape(19, 4, 64, 64, 1), dtype, "uniform", seed=5, device=DEVICE)
+    weights = torch.rand_like(p.topk_weights) + 0.5
+    out = tmoe.fused_experts(p.x, p.w1, p.w2, weights, p.topk_ids, apply_router_weight_on_input=True)
+    ref = moe_reference(p.x, p.w1, p.w2, weights, p.topk_ids, apply_router_weight_on_input=True)
+    assert_close(out, ref, dtype)
+
+
+def test_inplace_writes_into_hidden_states():
+    p = make_problem(MoEShape(13, 4, 64, 64, 2), torch.float32, "uniform", seed=7, device=DEVICE)
+    ref = moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    x = p.x.clone()
+    out = tmoe.fused_experts(x, p.w1, p.w2, p.topk_weights, p.topk_ids, inplace=True)
+    assert out.data_ptr() == x.data_ptr()
+    assert_close(x, ref, torch.float32)
+
+
+def test_forced_tile_configs():
+    """Tiny and wide tiles give the same function (masking, EVEN_K=False, several N blocks)."""
+    p = make_problem(MoEShape(21, 4, 100, 72, 2), torch.float32, "skewed", seed=11, device=DEVICE)
+    ref = moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    for bm, bn, bk in [(16, 16, 16), (32, 128, 64), (64, 32, 128)]:
+        cfg = tmoe.MoEConfig(tmoe.GemmConfig(bm, bn, bk, group_m=2), tmoe.GemmConfig(bm, bn, bk, group_m=1))
+        with tmoe.override_config(cfg):
+            out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+        assert_close(out, ref, torch.float32, name=f"out[{bm}x{bn}x{bk}]")
+
+
+def _args(**over):
+    p = make_problem(MoEShape(4, 4, 64, 64, 2), torch.float32, "uniform", seed=0)
+    args = dict(hidden_states=p.x, w1=p.w1, w2=p.w2, topk_weights=p.topk_weights, topk_ids=p.topk_ids)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    "over, kwargs, error, match",
+    [
+        (dict(hidden_states=torch.randn(4, 60)), {}, ValueError, "K"),
+        (dict(hidden_states=torch.randn(4, 64, dtype=torch.float64)), {}, TypeError, "hidden_states"),
+        (dict(w1=torch.randn(4, 127, 64)), {}, ValueError, "w1"),
+        (dict(w2=torch.randn(4, 64, 60)), {}, ValueError, "w2"),
+        (dict(topk_ids=torch.zeros(4, 2)), {}, TypeError, "topk_ids"),
+        (dict(topk_ids=torch.zeros(5, 2, dtype=torch.int32)), {}, ValueError, "topk_ids"),
+        (dict(topk_weights=torch.ones(4, 2, dtype=torch.bfloat16)), {}, TypeError, "topk_weights"),
+        (dict(topk_weights=torch.ones(4, 3)), {}, ValueError, "topk_weights"),
+        (dict(topk_ids=torch.zeros(4, 4, dtype=torch.int32)[:, ::2]), {}, ValueError, "topk_ids"),
+        ({}, dict(activation="relu"), ValueError, "activation"),
+        ({}, dict(apply_router_weight_on_input=True), ValueError, "topk == 1"),
+        ({}, dict(global_num_experts=8), ValueError, "expert_map"),
+    ],
+)
+def test_bad_input_raises_before_launch(over, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        tmoe.fused_experts(**_args(**over), **kwargs)

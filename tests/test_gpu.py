@@ -1,0 +1,132 @@
+"""GPU-only tests (marked ``gpu``; skipped on CPU): model shapes, CUDA graphs, compile with
+reduce-overhead, no host syncs, int64 addressing, device checks."""
+import pytest
+import torch
+
+import tmoe
+from tmoe.reference import moe_reference
+from tmoe.testing import assert_close, rel_error
+from tmoe.testing.strategies import MoEShape, make_problem
+
+pytestmark = pytest.mark.gpu
+MODEL_SHAPES = {  # (E, N, K, topk)
+    "mixtral": (8, 14336, 4096, 2),
+    "qwen3_30b_a3b": (128, 768, 2048, 8),
+    "deepseek_v3": (256, 2048, 7168, 8),
+}
+
+
+def _weights(e, n, k, dtype=torch.bfloat16):
+    w1 = torch.randn(e, 2 * n, k, device="cuda", dtype=dtype) / k**0.5
+    w2 = torch.randn(e, k, n, device="cuda", dtype=dtype) / n**0.5
+    return w1, w2
+
+
+def _routing(m, e, topk):
+    weights, ids = torch.topk(torch.randn(m, e, device="cuda").softmax(-1), topk)
+    return weights, ids.to(torch.int32)
+
+
+@pytest.mark.parametrize("model", list(MODEL_SHAPES))
+def test_model_shapes_bf16(model):
+    e, n, k, topk = MODEL_SHAPES[model]
+    w1, w2 = _weights(e, n, k)
+    for m in (1, 64, 1024):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        weights, ids = _routing(m, e, topk)
+        out = tmoe.fused_experts(x, w1, w2, weights, ids)
+        err = rel_error(out, moe_reference(x, w1, w2, weights, ids))
+        assert err < 1e-2, f"{model} M={m}: relative error {err:.2e}"
+
+
+def _standard_kernel():
+    return tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts())
+
+
+def _batched_kernel(m, topk, e):
+    return tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(m * topk, e), tmoe.BatchedTritonExperts(m * topk))
+
+
+@pytest.mark.parametrize("fmt", ["standard", "batched"])
+@pytest.mark.parametrize("m", [1, 16, 128])
+def test_cuda_graph_replay_with_new_routing(m, fmt):
+    e, n, k, topk = 16, 256, 512, 4
+    w1, w2 = _weights(e, n, k)
+    kernel = _standard_kernel() if fmt == "standard" else _batched_kernel(m, topk, e)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _routing(m, e, topk)
+    kernel.warmup(m, w1, w2, topk)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernel(x, w1, w2, weights, ids)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernel(x, w1, w2, weights, ids)
+    for trial in range(3):
+        x.copy_(torch.randn_like(x))
+        new_weights, new_ids = _routing(m, e, topk)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = kernel(x, w1, w2, weights, ids)
+        assert torch.equal(out, eager), f"replay {trial} differs from eager"
+        assert_close(out, moe_reference(x, w1, w2, weights, ids), torch.bfloat16)
+
+
+def test_compile_reduce_overhead_uses_cudagraphs():
+    from torch._dynamo.utils import counters
+
+    e, n, k, topk = 8, 256, 512, 2
+    w1, w2 = _weights(e, n, k)
+    counters.clear()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w, i: tmoe.fused_experts(x, w1, w2, w, i) * 2.0, mode="reduce-overhead",
+                       fullgraph=True)
+    for m in (16, 16, 16, 64, 64, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        weights, ids = _routing(m, e, topk)
+        out = fn(x, weights, ids).clone()
+        assert_close(out, 2.0 * moe_reference(x, w1, w2, weights, ids), torch.bfloat16)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("fmt", ["standard", "batched"])
+def test_forward_has_no_host_syncs(fmt):
+    e, n, k, topk, m = 8, 256, 512, 2, 33
+    w1, w2 = _weights(e, n, k)
+    kernel = _standard_kernel() if fmt == "standard" else _batched_kernel(m, topk, e)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _routing(m, e, topk)
+    kernel(x, w1, w2, weights, ids)  # compile kernels first: JIT may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernel(x, w1, w2, weights, ids)
+        tmoe.fused_experts(x, w1, w2, weights, ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_int64_addressing_past_2_pow_31_elements():
+    """M * topk * K = 2**31 + 2**21 elements in the down-GEMM output."""
+    e, n, k, topk = 2, 64, 4096, 2
+    m = 2**31 // (topk * k) + 256
+    w1, w2 = _weights(e, n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _routing(m, e, topk)
+    kernel = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts(), chunk_size=m)
+    out = kernel(x, w1, w2, weights, ids)  # one chunk: offsets really pass 2**31
+    for rows in (slice(0, 64), slice(m - 64, m)):
+        ref = moe_reference(x[rows], w1, w2, weights[rows], ids[rows])
+        assert_close(out[rows], ref, torch.bfloat16, name=f"out[{rows}]")
+
+
+def test_wrong_device_raises():
+    p = make_problem(MoEShape(4, 4, 64, 64, 2), torch.bfloat16, "uniform", seed=0, device="cuda")
+    with pytest.raises(ValueError, match="w1"):
+        tmoe.fused_experts(p.x, p.w1.cpu(), p.w2, p.topk_weights, p.topk_ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids.cpu())

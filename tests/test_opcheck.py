@@ -1,0 +1,41 @@
+"""torch.library.opcheck on every tmoe op: schema, fake tensors, aot dispatch (static and dynamic)."""
+import pytest
+import torch
+
+import tmoe
+from tmoe.testing.strategies import MoEShape, make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _problem(routing: str):
+    return make_problem(MoEShape(9, 4, 64, 72, 2), torch.float32, routing, seed=21, device=DEVICE)
+
+
+def _cases():
+    p = _problem("out_of_range")
+    # the GEMM stages leave rows of out-of-range slots unwritten, so compare them on valid routing
+    align = torch.ops.tmoe.moe_align_block_size(_problem("uniform").topk_ids, 16, 4)
+    emap = torch.tensor([0, -1, 1, -1], dtype=torch.int32, device=DEVICE)
+    inter = torch.randn(9 * 2, 64, device=DEVICE)
+    y = torch.randn(9, 2, 72, device=DEVICE)
+    layer = (p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, "silu", -1, None, None, None, None, None, False)
+    kernel = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts())
+    return {
+        "moe_align_block_size": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, None)),
+        "moe_align_block_size_map": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, emap)),
+        "moe_gemm_up": (torch.ops.tmoe.moe_gemm_up, (p.x, p.w1, *align, 2, 16, "gelu")),
+        "moe_gemm_down": (torch.ops.tmoe.moe_gemm_down, (inter, p.w2, *align, 16, p.topk_weights)),
+        "moe_reduce": (torch.ops.tmoe.moe_reduce, (y, p.topk_ids, 4, p.topk_weights, None)),
+        "modular_forward": (torch.ops.tmoe.modular_forward, (*layer, kernel.handle)),
+        "modular_forward_": (torch.ops.tmoe.modular_forward_, (p.x.clone(), *layer[1:], kernel.handle)),
+        "fused_experts": (torch.ops.tmoe.fused_experts, (*layer, None, False, False, None)),
+        "fused_experts_": (torch.ops.tmoe.fused_experts_, (p.x.clone(), *layer[1:], None, False, False, None)),
+    }, kernel
+
+
+@pytest.mark.parametrize("name", list(_cases()[0]))
+def test_opcheck(name):
+    cases, _kernel = _cases()  # the kernel must stay alive while its handle is used
+    op, args = cases[name]
+    torch.library.opcheck(op, args)

@@ -1,0 +1,72 @@
+"""Each GEMM stage and the reduce alone, through their custom ops, against float32 references."""
+import pytest
+import torch
+
+import tmoe  # noqa: F401  (registers the ops)
+from tmoe.reference import act_and_mul_reference, valid_slots
+from tmoe.testing import assert_close
+from tmoe.testing.strategies import MoEShape, make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_M = 16
+
+
+def _routing(p, expert_map=None):
+    return torch.ops.tmoe.moe_align_block_size(p.topk_ids, BLOCK_M, p.w1.shape[0], expert_map)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("shape", [MoEShape(0, 4, 64, 64, 2), MoEShape(9, 4, 100, 72, 2), MoEShape(30, 8, 64, 64, 1)],
+                         ids=str)
+def test_gemm_up_stage(shape, activation, dtype):
+    p = make_problem(shape, dtype, "out_of_range", seed=1, device=DEVICE)
+    out = torch.ops.tmoe.moe_gemm_up(p.x, p.w1, *_routing(p), shape.topk, BLOCK_M, activation)
+    assert out.shape == (shape.m * shape.topk, shape.n)
+    ok = valid_slots(p.topk_ids, shape.e).reshape(-1)
+    ids = p.topk_ids.reshape(-1).long().clamp(0, shape.e - 1)
+    x = p.x.float().repeat_interleave(shape.topk, dim=0)  # row of each slot
+    h = torch.einsum("sk,snk->sn", x, p.w1.float()[ids])
+    ref = act_and_mul_reference(h[:, : shape.n], h[:, shape.n :], activation)
+    assert_close(out[ok], ref[ok], dtype)
+    assert bool(out[~ok].isnan().all()), "slots of out-of-range experts must be left unwritten"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mul_weights", [False, True])
+def test_gemm_down_stage(mul_weights, dtype):
+    shape = MoEShape(11, 4, 100, 72, 2)
+    p = make_problem(shape, dtype, "uniform", seed=2, device=DEVICE)
+    inter = torch.randn(shape.m * shape.topk, shape.n, device=DEVICE).to(dtype)
+    weights = p.topk_weights if mul_weights else None
+    out = torch.ops.tmoe.moe_gemm_down(inter, p.w2, *_routing(p), BLOCK_M, weights)
+    ids = p.topk_ids.reshape(-1).long()
+    ref = torch.einsum("sn,skn->sk", inter.float(), p.w2.float()[ids])
+    if mul_weights:
+        ref = ref * p.topk_weights.reshape(-1, 1)
+    assert_close(out, ref, dtype)
+
+
+def test_remote_expert_blocks_write_zeros():
+    shape = MoEShape(10, 4, 64, 64, 2)
+    p = make_problem(shape, torch.float32, "uniform", seed=4, device=DEVICE)
+    emap = torch.tensor([0, -1, 1, -1], dtype=torch.int32, device=DEVICE)
+    out = torch.ops.tmoe.moe_gemm_up(p.x, p.w1[:2].contiguous(), *_routing(p, emap), shape.topk, BLOCK_M)
+    remote = (p.topk_ids.reshape(-1) % 2 == 1)
+    assert bool((out[remote] == 0).all())
+    assert bool(torch.isfinite(out[~remote]).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_reduce_stage(with_weights, dtype):
+    m, topk, k, e = 13, 3, 100, 6
+    y = torch.randn(m, topk, k, device=DEVICE).to(dtype)
+    ids = torch.randint(-1, e + 1, (m, topk), dtype=torch.int32, device=DEVICE)
+    y[~valid_slots(ids, e)] = float("nan")  # memory nothing wrote: must never be read
+    w = torch.rand(m, topk, device=DEVICE)
+    out = torch.ops.tmoe.moe_reduce(y, ids, e, w if with_weights else None)
+    ok = valid_slots(ids, e).unsqueeze(-1)
+    scale = w.unsqueeze(-1) if with_weights else 1.0
+    ref = torch.where(ok, y.float() * scale, 0.0).sum(1)
+    assert_close(out, ref, dtype)
