@@ -18,6 +18,7 @@ from tmoe.experts import BatchedTritonExperts, TritonExperts
 from tmoe.fused import fused_experts
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.reduce import moe_reduce
+from tmoe.kernels.router import topk_route
 from tmoe.modular import (
     FusedMoEActivationFormat,
     FusedMoEPermuteExpertsUnpermute,
@@ -32,5 +33,5 @@ __all__ = [
     "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoEActivationFormat", "FusedMoEModularKernel",
     "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "GemmConfig",
     "MoEConfig", "NoEPPrepareAndFinalize", "PrepareResult", "TritonExperts", "fused_experts", "get_config",
-    "moe_align_block_size", "moe_reduce", "override_config",
+    "moe_align_block_size", "moe_reduce", "override_config", "topk_route",
 ]

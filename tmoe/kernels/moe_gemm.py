@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -160,6 +160,26 @@ def _scale_args(scales: Scales | None, a: torch.Tensor, w: torch.Tensor, config:
                 stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="scaled")
 
 
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper allows 227 KB per block, leave room for the epilogue
+
+
+def fit_shared_memory(config: GemmConfig, elem_size: int, gated: bool) -> GemmConfig:
+    """Fewer pipeline stages, then a smaller block_k, until the staged A and B tiles fit."""
+    tile_n = config.block_n * (2 if gated else 1)
+
+    def need(stages: int, block_k: int) -> int:
+        return stages * block_k * (config.block_m + tile_n) * elem_size
+
+    stages, block_k = config.num_stages, config.block_k
+    while need(stages, block_k) > SHARED_MEMORY_BUDGET and stages > 2:
+        stages -= 1
+    while need(stages, block_k) > SHARED_MEMORY_BUDGET and block_k > 16:
+        block_k //= 2
+    if (stages, block_k) == (config.num_stages, config.block_k):
+        return config
+    return replace(config, num_stages=stages, block_k=block_k)
+
+
 def invoke_moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -196,6 +216,7 @@ def invoke_moe_gemm(
                      num_slots=routing.num_slots, a_row_div=routing.a_row_div, stride_ae=0, stride_oe=0)
     if num_pid_m == 0 or n == 0:
         return out
+    config = fit_shared_memory(config, a.element_size(), gated)
     grid = (num_pid_m * triton.cdiv(n, config.block_n),)
     _moe_gemm_kernel[grid](
         a, w, out, topk_weights_ptr=topk_weights if topk_weights is not None else w,
