@@ -17,6 +17,7 @@ from tmoe.config import GemmConfig, MoEConfig, get_config, override_config
 from tmoe.experts import BatchedTritonExperts, TritonExperts
 from tmoe.fused import fused_experts
 from tmoe.kernels.align import moe_align_block_size
+from tmoe.kernels.quant import per_token_group_quant_fp8, per_token_quant_fp8, static_quant_fp8
 from tmoe.kernels.reduce import moe_reduce
 from tmoe.kernels.router import topk_route
 from tmoe.modular import (
@@ -26,12 +27,20 @@ from tmoe.modular import (
     FusedMoEQuantConfig,
     PrepareResult,
 )
+from tmoe.layer import FusedMoE
 from tmoe.modular_kernel import FusedMoEModularKernel
+from tmoe.quant_weights import (
+    quantize_weight_per_block_fp8,
+    quantize_weight_per_channel_fp8,
+    quantize_weight_per_tensor_fp8,
+)
 from tmoe.prepare_finalize import BatchedPrepareAndFinalize, NoEPPrepareAndFinalize
 
 __all__ = [
-    "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoEActivationFormat", "FusedMoEModularKernel",
+    "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoE", "FusedMoEActivationFormat", "FusedMoEModularKernel",
     "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "GemmConfig",
     "MoEConfig", "NoEPPrepareAndFinalize", "PrepareResult", "TritonExperts", "fused_experts", "get_config",
-    "moe_align_block_size", "moe_reduce", "override_config", "topk_route",
+    "moe_align_block_size", "moe_reduce", "override_config", "per_token_group_quant_fp8", "per_token_quant_fp8",
+    "quantize_weight_per_block_fp8", "quantize_weight_per_channel_fp8", "quantize_weight_per_tensor_fp8",
+    "static_quant_fp8", "topk_route",
 ]

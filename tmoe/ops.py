@@ -8,7 +8,15 @@ import torch
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
 from tmoe.kernels.moe_gemm import Routing, Scales, check_gemm_operands, invoke_moe_gemm
+from tmoe.kernels.quant import (
+    FP8_DTYPE,
+    alloc_group_scales,
+    per_token_group_quant_fp8 as _per_token_group_quant_fp8,
+    per_token_quant_fp8 as _per_token_quant_fp8,
+    static_quant_fp8 as _static_quant_fp8,
+)
 from tmoe.kernels.reduce import moe_reduce as _reduce
+from tmoe.kernels.router import topk_route as _topk_route
 
 
 @torch.library.custom_op("tmoe::moe_align_block_size", mutates_args=())
@@ -214,9 +222,6 @@ def _(hidden_states, w1, w2, topk_weights, topk_ids, *args):
     _layer_fake(hidden_states, w1, w2, topk_weights, topk_ids)
 
 
-from tmoe.kernels.router import topk_route as _topk_route  # noqa: E402  (lead: hoist to the import block)
-
-
 @torch.library.custom_op("tmoe::topk_route", mutates_args=())
 def topk_route(
     router_logits: torch.Tensor, topk: int, scoring: str = "softmax", renormalize: bool = True,
@@ -239,3 +244,45 @@ def _(router_logits, topk, scoring="softmax", renormalize=True, num_expert_group
     m = router_logits.shape[0]
     new = router_logits.new_empty
     return new((m, topk), dtype=torch.float32), new((m, topk), dtype=torch.int32)
+
+
+@torch.library.custom_op("tmoe::per_token_group_quant_fp8", mutates_args=())
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int, eps: float = 1e-10, column_major_scales: bool = False, use_ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) fp8 codes and (..., K // group_size) float32 scales, one per group along K."""
+    return _per_token_group_quant_fp8(x, group_size, eps, column_major_scales, use_ue8m0)
+
+
+@per_token_group_quant_fp8.register_fake
+def _(x, group_size, eps=1e-10, column_major_scales=False, use_ue8m0=False):
+    torch._check(x.dim() >= 1, lambda: "x must be (..., K)")
+    torch._check(group_size >= 1 and x.shape[-1] % group_size == 0, lambda: "group_size must divide K")
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    return q, alloc_group_scales(x.shape, group_size, column_major_scales, x.device)
+
+
+@torch.library.custom_op("tmoe::per_token_quant_fp8", mutates_args=())
+def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) fp8 codes and (..., 1) float32 per-token scales."""
+    return _per_token_quant_fp8(x, eps)
+
+
+@per_token_quant_fp8.register_fake
+def _(x, eps=1e-10):
+    torch._check(x.dim() >= 1, lambda: "x must be (..., K)")
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    return q, torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+
+
+@torch.library.custom_op("tmoe::static_quant_fp8", mutates_args=())
+def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(..., K) fp8 codes of x / scale, ``scale`` one float32 element."""
+    return _static_quant_fp8(x, scale)
+
+
+@static_quant_fp8.register_fake
+def _(x, scale):
+    torch._check(x.dim() >= 1, lambda: "x must be (..., K)")
+    torch._check(scale.numel() == 1, lambda: "scale must hold one element")
+    return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)

@@ -1,0 +1,324 @@
+"""Whole-layer MoE benchmark: tmoe, a ``torch._grouped_mm`` peer and a per-expert loop against the roofline.
+
+floor = max(bytes / copy bandwidth, flops / matmul rate), both ceilings measured at the start of
+the run, with bytes = 3NK weights of every touched expert + x read and output written (M*K
+each) and flops = 2 * M * topk * 3NK; fraction = floor / measured time (the graph replay when
+captured, else eager). Results: a Markdown table on stdout, rows appended to
+``<out>/bench_moe.csv`` as they are measured, ``<out>/<date>_<gpu>.md`` and
+``<out>/roofline.png`` (fp8 modes add a ``_<dtype>`` suffix to the last two).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import functools
+import itertools
+import re
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from tmoe import benchmark_peers as peers
+from tmoe.benchmark_peers import Call
+
+Measurement = float | str  # microseconds, or why there is none
+DTYPES = ("bf16", "fp8_block", "fp8_token")
+DEFAULT_MS = (1, 8, 64, 256, 1024, 4096, 16384)
+QUICK_MS = (1, 64, 1024)
+PROVIDERS = ("tmoe", "grouped_mm", "loop")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One MoE layer: w1 (e, 2n, k), w2 (e, k, n), topk experts per token, M up to max_m."""
+
+    name: str
+    e: int
+    n: int
+    k: int
+    topk: int
+    max_m: int = 1 << 30
+
+
+SHAPES = {
+    "mixtral": Shape("mixtral", 8, 14336, 4096, 2),
+    "qwen3": Shape("qwen3", 128, 768, 2048, 8),
+    "deepseek": Shape("deepseek", 256, 2048, 7168, 8, max_m=4096),
+}
+
+
+def count_touched(topk_ids: torch.Tensor, e: int) -> int:
+    """Distinct experts in ``topk_ids`` (syncs; call outside timing)."""
+    return int(torch.bincount(topk_ids.reshape(-1).long(), minlength=e).gt(0).sum())
+
+
+def layer_traffic(s: Shape, m: int, touched: float, weight_bytes: int = 2, act_bytes: int = 2) -> tuple[float, float]:
+    """(bytes, flops) of the whole layer at M=m with ``touched`` experts read."""
+    return touched * 3 * s.n * s.k * weight_bytes + 2 * m * s.k * act_bytes, 2.0 * m * s.topk * 3 * s.n * s.k
+
+
+def stage_traffic(stage: str, s: Shape, m: int, touched: float, weight_bytes: int = 2,
+                  act_bytes: int = 2) -> tuple[float, float]:
+    """(bytes, flops) of one tmoe stage; int32 ids and float32 router weights are 4 bytes."""
+    slots = m * s.topk
+    table = {
+        "align": (8 * slots, 0.0),
+        "up": (touched * 2 * s.n * s.k * weight_bytes + (m * s.k + slots * s.n) * act_bytes, 4.0 * slots * s.n * s.k),
+        "down": (touched * s.n * s.k * weight_bytes + slots * (s.n + s.k) * act_bytes, 2.0 * slots * s.n * s.k),
+        "reduce": ((slots + m) * s.k * act_bytes + 8 * slots, 2.0 * slots * s.k),
+    }
+    return table[stage]
+
+
+def floor_us(nbytes: float, flops: float, copy_bw: float, flop_rate: float) -> float:
+    """max(bytes / bandwidth, flops / rate) in microseconds."""
+    return 1e6 * max(nbytes / copy_bw, flops / flop_rate)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measurement; times in µs; ``nbytes``/``flops`` of one call, ``touched`` averaged over sets."""
+
+    shape: Shape
+    dtype: str
+    m: int
+    provider: str
+    graph: Measurement
+    eager: Measurement
+    floor: float
+    nbytes: float
+    flops: float
+    touched: float
+
+    @property
+    def best_us(self) -> float | None:
+        for t in (self.graph, self.eager):
+            if isinstance(t, float):
+                return t
+        return None
+
+    def per_second(self, amount: float) -> float | None:
+        return None if self.best_us is None else amount / (self.best_us * 1e-6)
+
+
+def _cell(v: Measurement | None, fmt: str = "{:.1f}") -> str:
+    if v is None:
+        return "n/a"
+    return fmt.format(v) if isinstance(v, float) else f"n/a ({v})"
+
+
+def row_cells(r: Row) -> list[str]:
+    """Table cells: shape, M, provider, graph µs, eager µs, floor µs, fraction, TB/s, TFLOP/s."""
+    frac = None if r.best_us is None else r.floor / r.best_us
+    tbs, tflops = r.per_second(r.nbytes), r.per_second(r.flops)
+    return [r.shape.name, str(r.m), r.provider, _cell(r.graph), _cell(r.eager), _cell(r.floor),
+            _cell(frac, "{:.2f}"), _cell(None if tbs is None else tbs / 1e12, "{:.2f}"),
+            _cell(None if tflops is None else tflops / 1e12, "{:.1f}")]
+
+
+TABLE_HEADER = ["shape", "M", "provider", "graph µs", "eager µs", "floor µs", "fraction of floor", "TB/s", "TFLOP/s"]
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    return "\n".join(lines + ["| " + " | ".join(row_cells(r)) + " |" for r in rows]) + "\n"
+
+
+@dataclass(frozen=True)
+class Env:
+    date: str
+    gpu: str
+    torch: str
+    triton: str
+    commit: str
+
+
+def git_commit() -> str:
+    """``git rev-parse --short HEAD`` in the working directory, "unknown" when that fails."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+CSV_FIELDS = ["date", "gpu", "torch", "triton", "commit", "shape", "E", "N", "K", "topk", "dtype", "M", "provider",
+              "graph_us", "eager_us", "floor_us", "fraction", "tb_s", "tflop_s", "touched_experts"]
+
+
+def append_csv(path: Path, rows: Sequence[Row], env: Env) -> None:
+    """Append one line per row, writing the header when the file is new."""
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(CSV_FIELDS)
+        for r in rows:
+            s, cells = r.shape, row_cells(r)
+            w.writerow([env.date, env.gpu, env.torch, env.triton, env.commit, s.name, s.e, s.n, s.k, s.topk, r.dtype,
+                        r.m, r.provider, *cells[3:], f"{r.touched:g}"])
+
+
+def write_plot(path: Path, rows: Sequence[Row]) -> bool:
+    """Fraction of floor vs M (log x), one line per shape x provider; False without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: no plot", flush=True)
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (shape, prov), grp in itertools.groupby(sorted(rows, key=lambda r: (r.shape.name, r.provider, r.m)),
+                                                key=lambda r: (r.shape.name, r.provider)):
+        pts = [(r.m, r.floor / r.best_us) for r in grp if r.best_us]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{shape} {prov}")
+    ax.set(xscale="log", xlabel="M (tokens)", ylabel="fraction of roofline floor", ylim=(0, None))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def guarded(fn: Callable[[], float]) -> Measurement:
+    """fn() in µs, or the error's type name when it raises: a failing provider never ends the run."""
+    try:
+        return float(fn())
+    except Exception as err:  # noqa: BLE001
+        print(f"    {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}", flush=True)
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001  (a broken capture may leave an error behind)
+            pass
+        return type(err).__name__
+
+
+def _report(row: Row, t0: float) -> Row:
+    """Print one progress line for ``row`` and return it."""
+    c = row_cells(row)
+    print(f"[{time.perf_counter() - t0:6.1f} s] {c[0]} M={c[1]} {c[2]}: graph {c[3]} µs, eager {c[4]} µs, "
+          f"floor {c[5]} µs, fraction {c[6]}", flush=True)
+    return row
+
+
+def _time_both(calls: list[Call], syncs: bool, args: argparse.Namespace) -> tuple[Measurement, Measurement]:
+    """(graph µs or "syncs", eager µs), each guarded."""
+    graph = "syncs" if syncs else guarded(lambda: peers.time_graph(calls, args.rounds))
+    eager = guarded(lambda: peers.time_eager(calls, args.rep_ms))
+    torch.cuda.empty_cache()
+    return graph, eager
+
+
+def bench_stages(s: Shape, m: int, w1: torch.Tensor, w2: torch.Tensor, sets: list[peers.RoutedInputs],
+                 touched: float, args: argparse.Namespace, ceil: peers.Ceilings, t0: float) -> Iterator[Row]:
+    """Rows ``tmoe.<stage>``: each bf16 stage op timed alone at the block_m the layer uses."""
+    import tmoe
+
+    block_m = tmoe.get_config(m, s.e, s.n, s.k, s.topk, w1.device).block_m
+    try:
+        calls = peers.stage_calls(w1, w2, sets, block_m)
+    except Exception as err:  # noqa: BLE001
+        print(f"    stages failed: {type(err).__name__}: {err}", flush=True)
+        return
+    for stage, stage_calls in calls.items():
+        nbytes, flops = stage_traffic(stage, s, m, touched)
+        floor = floor_us(nbytes, flops, ceil.copy_bw, ceil.bf16_flops)
+        graph, eager = _time_both(stage_calls, False, args)
+        yield _report(Row(s, "bf16", m, f"tmoe.{stage}", graph, eager, floor, nbytes, flops, touched), t0)
+
+
+def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: peers.Ceilings,
+                t0: float) -> Iterator[Row]:
+    """Every M and provider of one shape on fresh random weights, freed before returning."""
+    dev = torch.device("cuda")
+    w1, w2 = peers.make_weights(s.e, s.n, s.k, dev)
+    providers = peers.providers(args.dtype, w1, w2, args.providers)
+    weight_bytes = 2 if args.dtype == "bf16" else 1
+    if args.dtype != "bf16":
+        w1 = w2 = None  # the fp8 provider holds its own quantized copies
+    for m in ms:
+        sets = peers.make_inputs(m, s.e, s.k, s.topk, args.sets, dev)
+        touched = statistics.mean(count_touched(r.topk_ids, s.e) for r in sets)
+        nbytes, flops = layer_traffic(s, m, touched, weight_bytes)
+        floor = floor_us(nbytes, flops, ceil.copy_bw, ceil.rate(args.dtype))
+        for p in providers:
+            if p.name == "loop" and m > args.loop_max_m:
+                continue
+            graph, eager = _time_both([functools.partial(p.fn, r) for r in sets], p.syncs, args)
+            yield _report(Row(s, args.dtype, m, p.name, graph, eager, floor, nbytes, flops, touched), t0)
+        if args.stages and w1 is not None:
+            yield from bench_stages(s, m, w1, w2, sets, touched, args, ceil, t0)
+        del sets
+    del providers, w1, w2
+    torch.cuda.empty_cache()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_moe", description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="mixtral,qwen3,deepseek", help=f"comma list of {','.join(SHAPES)}")
+    p.add_argument("--ms", default=None, help="comma list of token counts (default %s)" % ",".join(map(str, DEFAULT_MS)))
+    p.add_argument("--dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="results directory")
+    p.add_argument("--quick", action="store_true", help="M in %s only" % ",".join(map(str, QUICK_MS)))
+    p.add_argument("--providers", default="tmoe,grouped_mm,loop", help="comma list of tmoe,grouped_mm,loop")
+    p.add_argument("--loop-max-m", type=int, default=1024, help="run the loop peer only up to this M")
+    p.add_argument("--stages", action="store_true", help="also time each tmoe stage alone (bf16)")
+    p.add_argument("--sets", type=int, default=4, help="rotated input sets")
+    p.add_argument("--rounds", type=int, default=20, help="minimum timed graph rounds")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (ms)")
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
+    args = p.parse_args(argv)
+    shapes, names = args.shapes.split(","), tuple(args.providers.split(","))
+    bad = [s for s in shapes if s not in SHAPES] + [n for n in names if n not in PROVIDERS]
+    if bad:
+        p.error(f"unknown shapes or providers: {', '.join(bad)}")
+    args.shapes, args.providers = [SHAPES[s] for s in shapes], names
+    args.ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else DEFAULT_MS)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point (``python bench/bench_moe.py``); returns the exit status."""
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_moe needs a CUDA device", flush=True)
+        return 1
+    import triton
+
+    now, t0 = datetime.datetime.now(), time.perf_counter()
+    env = Env(now.isoformat(timespec="seconds"), torch.cuda.get_device_name(), torch.__version__, triton.__version__,
+              args.commit or git_commit())
+    print(f"# {env.gpu}, torch {env.torch}, triton {env.triton}, commit {env.commit}, {args.dtype}", flush=True)
+    if args.stages and args.dtype != "bf16":
+        print("# --stages times bf16 only: skipped", flush=True)
+    ceil = peers.measure_ceilings(with_fp8=args.dtype != "bf16")
+    ceil_text = (f"copy {ceil.copy_bw / 1e12:.2f} TB/s, bf16 matmul {ceil.bf16_flops / 1e12:.0f} TFLOP/s, "
+                 f"fp8 matmul {ceil.fp8_flops / 1e12:.0f} TFLOP/s ({ceil.note})")
+    print(f"# ceilings: {ceil_text}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.dtype == "bf16" else f"_{args.dtype}"
+    md = args.out / f"{now:%Y-%m-%d}_{re.sub(r'[^A-Za-z0-9.-]+', '_', env.gpu)}{suffix}.md"
+    rows: list[Row] = []
+    for shape in args.shapes:
+        try:
+            for row in bench_shape(shape, [m for m in args.ms if m <= shape.max_m], args, ceil, t0):
+                rows.append(row)
+                append_csv(args.out / "bench_moe.csv", [row], env)  # written as measured: a cut-off run keeps them
+        except Exception as err:  # noqa: BLE001  (e.g. out of memory for one shape's weights)
+            print(f"# {shape.name} stopped: {type(err).__name__}: {err}", flush=True)
+            torch.cuda.empty_cache()
+        md.write_text(f"# tmoe bench_moe, {args.dtype}\n\n{env.gpu}, torch {env.torch}, triton {env.triton}, "
+                      f"commit {env.commit}, {env.date}\n\nCeilings: {ceil_text}\n\n{markdown_table(rows)}")
+        write_plot(args.out / f"roofline{suffix}.png", [r for r in rows if "." not in r.provider])
+    print("\n" + markdown_table(rows), flush=True)
+    print(f"# wrote {args.out} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return 0

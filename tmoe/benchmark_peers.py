@@ -1,0 +1,286 @@
+"""What ``tmoe.benchmark`` runs on the GPU: inputs, providers (the tmoe layer, its stages, two
+plain-PyTorch peers), the ceilings and the two timers.
+
+Every provider maps one ``RoutedInputs`` to the (M, K) layer output. Peers follow the layout
+``tmoe.fused_experts`` takes: w1 (E, 2N, K) gate rows then up rows, w2 (E, K, N), silu.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import statistics
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Call = Callable[[], torch.Tensor]
+
+FP8_MODES = ("fp8_block", "fp8_token")
+
+
+@dataclass(frozen=True)
+class RoutedInputs:
+    """One rotation set: x (M, K) bf16, topk_weights (M, topk) float32, topk_ids (M, topk) int32."""
+
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Provider:
+    """``fn(inputs) -> (M, K)``; ``syncs``: the call waits on the host, so it cannot be graph-captured."""
+
+    name: str
+    fn: Callable[[RoutedInputs], torch.Tensor]
+    syncs: bool = False
+
+
+def make_weights(e: int, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 w1 (e, 2n, k) and w2 (e, k, n), std 1/sqrt(fan-in), filled in place (no temporaries)."""
+    w1 = torch.empty(e, 2 * n, k, dtype=torch.bfloat16, device=device).normal_(0.0, k ** -0.5)
+    w2 = torch.empty(e, k, n, dtype=torch.bfloat16, device=device).normal_(0.0, n ** -0.5)
+    return w1, w2
+
+
+def make_inputs(m: int, e: int, k: int, topk: int, n_sets: int, device: torch.device) -> list[RoutedInputs]:
+    """``n_sets`` independent inputs with random softmax top-k routing."""
+    sets = []
+    for _ in range(n_sets):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+        weights, ids = torch.topk(torch.randn(m, e, device=device).softmax(-1), topk)
+        sets.append(RoutedInputs(x, weights.contiguous(), ids.to(torch.int32).contiguous()))
+    return sets
+
+
+def grouped_mm_moe(x: torch.Tensor, w1_t: torch.Tensor, w2_t: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """Sort slots by expert, ``torch._grouped_mm`` up, silu(gate) * up, ``_grouped_mm`` down,
+    weighted ``index_add_``. w1_t (E, K, 2N), w2_t (E, N, K): transposed views of w1, w2.
+
+    Group ends are ``searchsorted`` on the sorted ids, equal to
+    ``bincount(ids, minlength=E).cumsum(0)``; bincount reads its max on the host, this does not,
+    so the peer can be graph-captured.
+    """
+    e, n, topk = w1_t.shape[0], w2_t.shape[1], topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # [M*topk] slots in expert order
+    token = order // topk
+    experts = torch.arange(e, dtype=flat.dtype, device=flat.device)
+    offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # [E] group ends
+    h = torch._grouped_mm(x[token], w1_t, offs=offs)  # [M*topk, 2N]
+    a = F.silu(h[:, :n]) * h[:, n:]
+    y = torch._grouped_mm(a, w2_t, offs=offs)  # [M*topk, K]
+    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def loop_moe(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor) -> torch.Tensor:
+    """The per-expert Python loop: gather the expert's tokens, two matmuls, weighted index_add_.
+    Syncs on every expert (nonzero)."""
+    n = w2.shape[2]
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        rows, cols = (topk_ids == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        h = x[rows] @ w1[e].T
+        y = (F.silu(h[:, :n]) * h[:, n:]) @ w2[e].T
+        out.index_add_(0, rows, y * topk_weights[rows, cols, None].to(y.dtype))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_mm_takes_views(device: torch.device) -> bool:
+    """Whether ``_grouped_mm`` accepts a transposed (column-major) view of a contiguous weight."""
+    a = torch.randn(16, 64, dtype=torch.bfloat16, device=device)
+    w = torch.randn(2, 64, 64, dtype=torch.bfloat16, device=device)
+    try:
+        torch._grouped_mm(a, w.transpose(1, 2), offs=torch.tensor([8, 16], dtype=torch.int32, device=device))
+        return True
+    except RuntimeError:
+        return False
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    """(E, A, B) -> (E, B, A): a view when ``_grouped_mm`` takes one, else a contiguous copy (made once)."""
+    t = w.transpose(1, 2)
+    return t if _grouped_mm_takes_views(w.device) else t.contiguous()
+
+
+def bf16_providers(w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, ...]) -> list[Provider]:
+    """The bf16 providers among "tmoe", "grouped_mm", "loop", in that order."""
+    import tmoe
+
+    providers = []
+    if "tmoe" in names:
+        providers.append(Provider("tmoe", lambda r: tmoe.fused_experts(r.x, w1, w2, r.topk_weights, r.topk_ids)))
+    if "grouped_mm" in names:
+        try:
+            w1_t, w2_t = _transposed(w1), _transposed(w2)
+            fn = lambda r: grouped_mm_moe(r.x, w1_t, w2_t, r.topk_weights, r.topk_ids)  # noqa: E731
+        except Exception as err:  # noqa: BLE001  (a peer that fails is reported, not fatal)
+            fn = failing(err)
+        providers.append(Provider("grouped_mm", fn))
+    if "loop" in names:
+        providers.append(Provider("loop", lambda r: loop_moe(r.x, w1, w2, r.topk_weights, r.topk_ids), syncs=True))
+    return providers
+
+
+def failing(err: Exception) -> Callable[[RoutedInputs], torch.Tensor]:
+    def fn(_: RoutedInputs) -> torch.Tensor:
+        raise err
+    return fn
+
+
+def quantize_fp8(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (E, A, B) bf16 -> (fp8 codes, float32 scales), one expert at a time to bound float32
+    temporaries. fp8_block: 128x128 block scales (E, A/128, B/128); fp8_token: per channel (E, A, 1)."""
+    from tmoe.quant_weights import quantize_weight_per_block_fp8, quantize_weight_per_channel_fp8
+
+    quantize = quantize_weight_per_block_fp8 if mode == "fp8_block" else quantize_weight_per_channel_fp8
+    q0, s0 = quantize(w[:1])
+    q = torch.empty((w.shape[0], *q0.shape[1:]), dtype=q0.dtype, device=w.device)
+    s = torch.empty((w.shape[0], *s0.shape[1:]), dtype=s0.dtype, device=w.device)
+    for i in range(w.shape[0]):
+        q[i : i + 1], s[i : i + 1] = quantize(w[i : i + 1])
+    return q, s
+
+
+def fp8_provider(w1: torch.Tensor, w2: torch.Tensor, mode: str) -> Provider:
+    """The tmoe layer on fp8 weights quantized from w1/w2 (which the caller may then free);
+    activations are quantized inside the call. Named "tmoe"."""
+    import tmoe
+
+    if mode == "fp8_block":
+        qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(128, 128))
+    else:
+        qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True, per_out_ch_quant=True)
+    (w1q, s1), (w2q, s2) = quantize_fp8(w1, mode), quantize_fp8(w2, mode)
+
+    def fn(r: RoutedInputs) -> torch.Tensor:
+        return tmoe.fused_experts(r.x, w1q, w2q, r.topk_weights, r.topk_ids, quant_config=qc, w1_scale=s1,
+                                  w2_scale=s2)
+
+    return Provider("tmoe", fn)
+
+
+def providers(dtype: str, w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, ...]) -> list[Provider]:
+    """The providers of a run: ``bf16_providers`` for "bf16", else the fp8 tmoe layer alone
+    (a failing fp8 setup gives a provider that raises, reported as n/a)."""
+    if dtype == "bf16":
+        return bf16_providers(w1, w2, names)
+    try:
+        return [fp8_provider(w1, w2, dtype)]
+    except Exception as err:  # noqa: BLE001  (the fp8 API may be incomplete)
+        print(f"    fp8 setup failed: {type(err).__name__}: {err}", flush=True)
+        return [Provider("tmoe", failing(err))]
+
+
+STAGES = ("align", "up", "down", "reduce")
+
+
+def stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs],
+                block_m: int) -> dict[str, list[Call]]:
+    """Per stage, one call per rotation set running that ``torch.ops.tmoe`` op alone on inputs
+    made once by the stages before it (eagerly, here)."""
+    ops, e = torch.ops.tmoe, w1.shape[0]
+    calls: dict[str, list[Call]] = {s: [] for s in STAGES}
+    for r in sets:
+        m, topk = r.topk_ids.shape
+        route = ops.moe_align_block_size(r.topk_ids, block_m, e)  # sorted ids, expert ids, padded count
+        inter = ops.moe_gemm_up(r.x, w1, *route, topk, block_m)  # [M*topk, N]
+        y = ops.moe_gemm_down(inter, w2, *route, block_m).view(m, topk, -1)  # [M, topk, K]
+        calls["align"].append(functools.partial(ops.moe_align_block_size, r.topk_ids, block_m, e))
+        calls["up"].append(functools.partial(ops.moe_gemm_up, r.x, w1, *route, topk, block_m))
+        calls["down"].append(functools.partial(ops.moe_gemm_down, inter, w2, *route, block_m))
+        calls["reduce"].append(functools.partial(ops.moe_reduce, y, r.topk_ids, e, r.topk_weights))
+    return calls
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """copy_bw in bytes/s (read + written); bf16 and fp8 matmul rates in FLOP/s."""
+
+    copy_bw: float
+    bf16_flops: float
+    fp8_flops: float
+    note: str = ""
+
+    def rate(self, dtype: str) -> float:
+        return self.bf16_flops if dtype == "bf16" else self.fp8_flops
+
+
+def time_graph(calls: Sequence[Call], min_rounds: int = 20, target_ms: float = 100.0) -> float:
+    """Median µs per replay: one CUDA graph captured per call (after a side-stream warm-up),
+    each round replays them all in turn; at least ``min_rounds`` rounds timed with events."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs, outs = [], []
+    for call in calls:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(call())
+        graphs.append(g)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for g in graphs:
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    rounds = max(min_rounds, min(200, int(target_ms / max(start.elapsed_time(end), 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rounds)]
+    for s, e in events:
+        s.record()
+        for g in graphs:
+            g.replay()
+        e.record()
+    torch.cuda.synchronize()
+    return 1e3 * statistics.median(s.elapsed_time(e) for s, e in events) / len(graphs)
+
+
+def time_eager(calls: Sequence[Call], rep_ms: float = 100.0) -> float:
+    """Median µs of ``triton.testing.do_bench`` (L2 flushed per call), cycling over the calls."""
+    import triton.testing
+
+    it = itertools.cycle(calls)
+    return 1e3 * triton.testing.do_bench(lambda: next(it)(), warmup=10, rep=rep_ms, return_mode="median")
+
+
+def measure_ceilings(with_fp8: bool) -> Ceilings:
+    """Copy bandwidth (a 2 GiB tensor copied: bytes read + written) and 8192^3 matmul rates on
+    random data, medians of do_bench. fp8: ``torch._scaled_mm`` with row-wise float32 scales,
+    or 2x the bf16 rate when it fails or ``with_fp8`` is False."""
+    import triton.testing
+
+    def seconds(fn: Call) -> float:
+        return 1e-3 * triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * src.element_size() / seconds(lambda: dst.copy_(src))
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    bf16_rate = 2 * n**3 / seconds(lambda: torch.matmul(a, b))
+    fp8_rate, note = 2 * bf16_rate, "fp8 rate = 2 x bf16 (not measured)"
+    if with_fp8:
+        try:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+            sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+            fp8_rate = 2 * n**3 / seconds(
+                lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+            note = "fp8 rate: torch._scaled_mm, row-wise scales"
+        except Exception as err:  # noqa: BLE001  (fall back, noted)
+            note = f"fp8 rate = 2 x bf16 (torch._scaled_mm failed: {type(err).__name__})"
+    del a, b
+    torch.cuda.empty_cache()
+    return Ceilings(copy_bw, bf16_rate, fp8_rate, note)

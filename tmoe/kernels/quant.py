@@ -1,0 +1,251 @@
+"""FP8 (e4m3fn) activation quantization: per token group, per token, static per tensor.
+
+q = clamp(x / scale, -448, 448) cast to float8_e4m3fn, rounding to nearest even. The division is
+IEEE (``tl.div_rn``; a plain ``/`` is approximate on NVIDIA GPUs), so codes match
+``(x.float() / scale).to(torch.float8_e4m3fn)`` bit for bit. Dynamic scales are
+``max(absmax, eps) / 448``; the absmax ignores NaN (a NaN element quantizes to NaN, its
+neighbours normally) and an inf makes its group's scale inf. Rows are the flattened leading
+dims of x; row offsets are int64.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+# eps >= MIN_EPS keeps every dynamic scale a positive normal float32 (exact ue8m0 rounding, no 0/0).
+MIN_EPS = FP8_MAX * torch.finfo(torch.float32).tiny
+TILE = 1024  # elements a group-quant program holds at once (H200: 2 warps, about 2.8 TB/s)
+PER_TOKEN_BLOCK_K = 1024
+
+
+@triton.jit
+def _abs_no_nan(x):
+    """|x| with NaN -> 0, so a NaN element does not set its group's scale."""
+    return tl.where(x != x, 0.0, tl.abs(x))
+
+
+@triton.jit
+def _scale(absmax, eps, FP8_MAX: tl.constexpr, USE_UE8M0: tl.constexpr):
+    """max(absmax, eps) / FP8_MAX (IEEE); USE_UE8M0: rounded up to a power of two on the exponent bits."""
+    absmax = tl.maximum(absmax, eps)
+    scale = tl.div_rn(absmax, tl.full(absmax.shape, FP8_MAX, tl.float32))
+    if USE_UE8M0:
+        bits = scale.to(tl.int32, bitcast=True)
+        carry = tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+        scale = ((bits & 0x7F800000) + carry).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _to_fp8(x, scale, FP8_MAX: tl.constexpr):
+    """clamp(x / scale, ±FP8_MAX) in float32, x and scale of one shape; NaN stays NaN."""
+    q = tl.div_rn(x, scale)
+    return tl.where(q != q, q, tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+
+
+@triton.jit
+def _per_token_group_quant_fp8_kernel(
+    x_ptr,  # [rows, K] float, unit stride along K
+    q_ptr,  # [rows, K] float8_e4m3fn, unit stride along K
+    s_ptr,  # [rows, G] float32, strides (stride_sm, stride_sg): row- or column-major
+    num_groups, group_size, eps,
+    stride_xm, stride_qm, stride_sm, stride_sg,
+    FP8_MAX: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BG]
+    offs_s = tl.arange(0, BLOCK_S)  # [BS]
+    mask_g = offs_g < num_groups
+    mask = mask_g[:, None] & (offs_s < group_size)[None, :]  # [BG, BS]
+    offs_k = offs_g[:, None] * group_size + offs_s[None, :]  # [BG, BS]
+    x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
+    scale = _scale(tl.max(_abs_no_nan(x), axis=1), eps, FP8_MAX, USE_UE8M0)  # [BG]
+    q = _to_fp8(x, tl.broadcast_to(scale[:, None], (BLOCK_G, BLOCK_S)), FP8_MAX)
+    tl.store(q_ptr + pid_m * stride_qm + offs_k, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + pid_m * stride_sm + offs_g.to(tl.int64) * stride_sg, scale, mask=mask_g)
+
+
+@triton.jit
+def _per_token_quant_fp8_kernel(
+    x_ptr,  # [rows, K] float, unit stride along K
+    q_ptr,  # [rows, K] float8_e4m3fn, unit stride along K
+    s_ptr,  # [rows] float32
+    K, eps, stride_xm, stride_qm,
+    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + pid_m * stride_xm
+    q_row = q_ptr + pid_m * stride_qm
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+        acc = tl.maximum(acc, _abs_no_nan(x))
+    scale = _scale(tl.max(acc, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
+    tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
+    scale_k = tl.broadcast_to(scale, (BLOCK_K,))
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = k0 + offs_k < K
+        x = tl.load(x_row + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        tl.store(q_row + k0 + offs_k, _to_fp8(x, scale_k, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
+
+
+@triton.jit
+def _static_quant_fp8_kernel(
+    x_ptr,  # [rows, K] float, unit stride along K
+    q_ptr,  # [rows, K] float8_e4m3fn, unit stride along K
+    scale_ptr,  # [1] float32
+    K, stride_xm, stride_qm,
+    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+    mask_k = offs_k < K
+    x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    scale = tl.broadcast_to(tl.load(scale_ptr), (BLOCK_K,))
+    tl.store(q_ptr + pid_m * stride_qm + offs_k, _to_fp8(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
+
+
+def _rows(x: object) -> torch.Tensor:
+    """Check x (..., K) and return it as (rows, K): a view when the leading dims allow, else a copy."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (..., K)")
+    check_last_dim_contiguous("x", x)
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def _check_eps(eps: float) -> None:
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < MIN_EPS:
+        raise ValueError(f"eps must be a finite float >= {MIN_EPS:.3g}, got {eps!r}")
+
+
+def alloc_group_scales(shape: torch.Size, group_size: int, column_major: bool, device: torch.device) -> torch.Tensor:
+    """Empty float32 scales (..., K // group_size) for x of ``shape``; column-major: the group
+    index is outermost in memory (strides (1, rows) for 2-D x)."""
+    lead, g = tuple(shape[:-1]), shape[-1] // group_size
+    if column_major:
+        return torch.empty((g, *lead), dtype=torch.float32, device=device).movedim(0, -1)
+    return torch.empty((*lead, g), dtype=torch.float32, device=device)
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor,
+    group_size: int,
+    eps: float = 1e-10,
+    column_major_scales: bool = False,
+    use_ue8m0: bool = False,
+    out_q: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of ``group_size`` along K: scale = max(absmax, eps) / 448, q = clamp(x / scale) in fp8.
+
+    Args:
+        x: (..., K) float16/bfloat16/float32, unit stride along K; K % group_size == 0.
+        group_size: elements per scale (vLLM block_k, e.g. 128).
+        eps: lower bound on the absmax (>= MIN_EPS); all-zero groups get scale eps / 448.
+        column_major_scales: allocate the scales group-major (strides (1, rows) for 2-D x).
+        use_ue8m0: round each scale up to a power of two (DeepGEMM's UE8M0 scales).
+        out_q: optional contiguous (..., K) float8_e4m3fn output.
+        out_scale: optional (..., K // group_size) float32 output, any layout viewable as
+            (rows, G); its own layout is used and ``column_major_scales`` is ignored.
+
+    Returns:
+        (q (..., K) float8_e4m3fn contiguous, scales (..., K // group_size) float32).
+
+    Example:
+        >>> q, s = per_token_group_quant_fp8(x, 128)  # x (M, 7168) bf16 -> s (M, 56)
+    """
+    x2 = _rows(x)
+    rows, k = x2.shape
+    if not isinstance(group_size, int) or group_size < 1 or k % group_size:
+        raise ValueError(f"group_size must be a positive int dividing K={k}, got {group_size!r}")
+    _check_eps(eps)
+    g = k // group_size
+    if out_q is None:
+        out_q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    else:
+        check_tensor("out_q", out_q, dtypes=FP8_DTYPES, device=x.device, contiguous=True)
+        check_shape("out_q", out_q, tuple(x.shape))
+    if out_scale is None:
+        out_scale = alloc_group_scales(x.shape, group_size, column_major_scales, x.device)
+    else:
+        check_tensor("out_scale", out_scale, dtypes=(torch.float32,), device=x.device)
+        check_shape("out_scale", out_scale, (*x.shape[:-1], g))
+    try:
+        s2 = out_scale.view(rows, g)
+    except RuntimeError as err:
+        raise ValueError(f"out_scale with strides {out_scale.stride()} cannot be viewed as ({rows}, {g})") from err
+    if rows == 0 or g == 0:
+        return out_q, out_scale
+    block_s = triton.next_power_of_2(group_size)
+    block_g = min(triton.next_power_of_2(g), max(1, TILE // block_s))
+    num_warps = max(2, min(8, block_g * block_s // 512))
+    _per_token_group_quant_fp8_kernel[(rows, triton.cdiv(g, block_g))](
+        x2, out_q, s2, num_groups=g, group_size=group_size, eps=eps,
+        stride_xm=x2.stride(0), stride_qm=k, stride_sm=s2.stride(0), stride_sg=s2.stride(1),
+        FP8_MAX=FP8_MAX, USE_UE8M0=use_ue8m0, BLOCK_G=block_g, BLOCK_S=block_s, num_warps=num_warps,
+    )
+    return out_q, out_scale
+
+
+def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token fp8: one group per row, scale = max(absmax, eps) / 448.
+
+    Args:
+        x: (..., K) float16/bfloat16/float32, unit stride along K; any K.
+        eps: lower bound on the absmax (>= MIN_EPS).
+
+    Returns:
+        (q (..., K) float8_e4m3fn contiguous, scales (..., 1) float32).
+
+    Example:
+        >>> q, s = per_token_quant_fp8(x)  # x (M, K) -> s (M, 1)
+    """
+    x2 = _rows(x)
+    _check_eps(eps)
+    rows, k = x2.shape
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scales
+    _per_token_quant_fp8_kernel[(rows,)](
+        x2, q, scales, K=k, eps=eps, stride_xm=x2.stride(0), stride_qm=k,
+        FP8_MAX=FP8_MAX, BLOCK_K=min(PER_TOKEN_BLOCK_K, triton.next_power_of_2(max(k, 1))), num_warps=4,
+    )
+    return q, scales
+
+
+def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Static per-tensor fp8: q = clamp(x / scale, ±448).
+
+    Args:
+        x: (..., K) float16/bfloat16/float32, unit stride along K.
+        scale: one-element float32 tensor on x's device (shape () or (1,)).
+
+    Returns:
+        (..., K) float8_e4m3fn, contiguous.
+
+    Example:
+        >>> q = static_quant_fp8(x, torch.tensor([0.02], device=x.device))
+    """
+    x2 = _rows(x)
+    check_tensor("scale", scale, dtypes=(torch.float32,), device=x.device)
+    if scale.numel() != 1:
+        raise ValueError(f"scale must hold one element (a per-tensor scale), got shape {tuple(scale.shape)}")
+    rows, k = x2.shape
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    if rows == 0 or k == 0:
+        return q
+    block_k = min(1024, triton.next_power_of_2(k))
+    _static_quant_fp8_kernel[(rows, triton.cdiv(k, block_k))](
+        x2, q, scale, K=k, stride_xm=x2.stride(0), stride_qm=k, FP8_MAX=FP8_MAX, BLOCK_K=block_k, num_warps=4,
+    )
+    return q
