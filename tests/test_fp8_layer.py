@@ -1,0 +1,111 @@
+"""The whole layer in each fp8 scheme against the float32 reference on dequantized weights.
+
+Tolerance (``TOLERANCES["fp8"]``): the activations and the intermediate are quantized to e4m3
+(3 mantissa bits, relative step 2**-4), so outputs differ from the reference by a few percent;
+the weights' own rounding is removed by comparing with the dequantized weights.
+"""
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import tmoe
+from tmoe.reference import act_and_mul_reference, dequantize_fp8_reference, moe_reference
+from tmoe.testing import assert_close, rel_error
+from tmoe.testing.strategies import MoEShape, make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    config: tmoe.FusedMoEQuantConfig
+    static: bool = False
+
+
+SCHEMES = [
+    Scheme("tensor", tmoe.FusedMoEQuantConfig(FP8)),
+    Scheme("tensor_static", tmoe.FusedMoEQuantConfig(FP8), static=True),
+    Scheme("token", tmoe.FusedMoEQuantConfig(FP8, per_act_token_quant=True, per_out_ch_quant=True)),
+    Scheme("block", tmoe.FusedMoEQuantConfig(FP8, block_shape=(128, 128))),
+]
+
+
+def quantize_weights(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w_fp8, scale, dequantized w in float32) in the scheme's checkpoint layout."""
+    if scheme.config.block_shape is not None:
+        q, s = tmoe.quantize_weight_per_block_fp8(w, scheme.config.block_shape)
+        return q, s, dequantize_fp8_reference(q, s, scheme.config.block_shape)
+    if scheme.config.per_out_ch_quant:
+        q, s = tmoe.quantize_weight_per_channel_fp8(w)
+    else:
+        q, s = tmoe.quantize_weight_per_tensor_fp8(w)
+        return q, s, q.float() * s.view(-1, 1, 1)
+    return q, s, q.float() * s
+
+
+def run_scheme(p, scheme: Scheme):
+    w1q, s1, w1d = quantize_weights(p.w1, scheme)
+    w2q, s2, w2d = quantize_weights(p.w2, scheme)
+    static = {}
+    if scheme.static:  # static activation scales as a calibrated checkpoint would carry them
+        n = w1d.shape[1] // 2
+        h = torch.einsum("mk,enk->emn", p.x.float(), w1d)
+        inter = act_and_mul_reference(h[..., :n], h[..., n:], "silu")
+        absmax = lambda t: torch.cat([t.abs().flatten(), torch.full((1,), 1e-3, device=DEVICE)]).max()  # noqa: E731
+        static = dict(a1_scale=(absmax(p.x.float()) / 448).reshape(1), a2_scale=(absmax(inter) / 448).reshape(1))
+    out = tmoe.fused_experts(p.x, w1q, w2q, p.topk_weights, p.topk_ids, quant_config=scheme.config,
+                             w1_scale=s1, w2_scale=s2, **static)
+    return out, moe_reference(p.x, w1d, w2d, p.topk_weights, p.topk_ids)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", [MoEShape(1, 4, 128, 256, 2), MoEShape(37, 8, 256, 128, 2),
+                                   MoEShape(0, 4, 128, 128, 2), MoEShape(20, 4, 128, 384, 1)], ids=str)
+def test_fp8_layer(scheme, shape):
+    p = make_problem(shape, torch.bfloat16, "out_of_range" if shape.m > 30 else "uniform", seed=shape.m,
+                     device=DEVICE)
+    out, ref = run_scheme(p, scheme)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, ref, "fp8")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_fp8_zero_rows_and_tiny_inputs_stay_finite(scheme):
+    p = make_problem(MoEShape(9, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=4, device=DEVICE)
+    p.x[0] = 0.0
+    p.x[1] = 1e-23
+    out, ref = run_scheme(p, scheme)
+    assert bool(torch.isfinite(out).all()), "all-zero and tiny rows must give finite outputs"
+    assert bool((out[0] == 0).all())
+    assert_close(out[2:], ref[2:], "fp8")
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if not s.static], ids=lambda s: s.name)
+def test_fp8_nan_stays_in_its_token(scheme):
+    """A NaN in one token's input reaches exactly that token's output (dynamic scales)."""
+    p = make_problem(MoEShape(24, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=6, device=DEVICE)
+    p.x[5, 3] = float("nan")
+    out, ref = run_scheme(p, scheme)
+    bad = ~torch.isfinite(out).all(-1)
+    assert bool(bad[5]) and int(bad.sum()) == 1, f"NaN leaked into rows {bad.nonzero().flatten().tolist()}"
+    keep = torch.arange(24, device=DEVICE) != 5
+    assert_close(out[keep], ref[keep], "fp8")
+
+
+def test_fp8_batched_format_and_compile():
+    scheme = SCHEMES[3]
+    p = make_problem(MoEShape(13, 4, 128, 256, 2), torch.bfloat16, "skewed", seed=8, device=DEVICE)
+    w1q, s1, w1d = quantize_weights(p.w1, scheme)
+    w2q, s2, w2d = quantize_weights(p.w2, scheme)
+    ref = moe_reference(p.x, w1d, w2d, p.topk_weights, p.topk_ids)
+    kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(26, 4),
+                                        tmoe.BatchedTritonExperts(26, scheme.config))
+    assert_close(kernel(p.x, w1q, w2q, p.topk_weights, p.topk_ids, w1_scale=s1, w2_scale=s2), ref, "fp8")
+    compiled = torch.compile(lambda *a: tmoe.fused_experts(*a, quant_config=scheme.config, w1_scale=s1, w2_scale=s2),
+                             fullgraph=True, dynamic=True)
+    eager = tmoe.fused_experts(p.x, w1q, w2q, p.topk_weights, p.topk_ids, quant_config=scheme.config,
+                               w1_scale=s1, w2_scale=s2)
+    assert rel_error(compiled(p.x, w1q, w2q, p.topk_weights, p.topk_ids), eager) == 0.0
