@@ -175,11 +175,15 @@ def write_plot(path: Path, rows: Sequence[Row]) -> bool:
         print("matplotlib is missing: no plot", flush=True)
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
+    shapes = sorted({r.shape.name for r in rows})
+    styles = {"tmoe": "-", "grouped_mm": "--", "loop": ":"}
     for (shape, prov), grp in itertools.groupby(sorted(rows, key=lambda r: (r.shape.name, r.provider, r.m)),
                                                 key=lambda r: (r.shape.name, r.provider)):
         pts = [(r.m, r.floor / r.best_us) for r in grp if r.best_us]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=f"{shape} {prov}")
+            ax.plot(*zip(*pts), marker="o", linestyle=styles.get(prov, "-."), color=f"C{shapes.index(shape)}",
+                    label=f"{shape} {prov}")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set(xscale="log", xlabel="M (tokens)", ylabel="fraction of roofline floor", ylim=(0, None))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -205,8 +209,8 @@ def guarded(fn: Callable[[], float]) -> Measurement:
 def _report(row: Row, t0: float) -> Row:
     """Print one progress line for ``row`` and return it."""
     c = row_cells(row)
-    print(f"[{time.perf_counter() - t0:6.1f} s] {c[0]} M={c[1]} {c[2]}: graph {c[3]} µs, eager {c[4]} µs, "
-          f"floor {c[5]} µs, fraction {c[6]}", flush=True)
+    print(f"[{time.perf_counter() - t0:6.1f} s] {c[0]} M={c[1]} {c[2]}: graph {c[3]}, eager {c[4]}, floor {c[5]} (µs), "
+          f"fraction {c[6]}", flush=True)
     return row
 
 

@@ -1,0 +1,147 @@
+"""The benchmark harness's pure parts on CPU: roofline math, table, CSV, arguments, and the
+plain-PyTorch peers against the reference. No timings."""
+import csv
+import sys
+
+import pytest
+import torch
+
+from tmoe import benchmark as bm
+from tmoe import benchmark_peers as peers
+from tmoe.reference import moe_reference
+
+# E=4, N=8, K=16, topk=2 at M=3 with 3 experts touched, by hand: weights 3 experts * 3NK = 1152
+# elements, activations 2 * M * K = 96 elements, so 2496 bf16 bytes; flops 2 * M * topk * 3NK = 4608.
+SMALL = bm.Shape("small", e=4, n=8, k=16, topk=2)
+
+
+def test_layer_traffic_by_hand():
+    nbytes, flops = bm.layer_traffic(SMALL, m=3, touched=3)
+    assert nbytes == 3 * (2 * 8 * 16 + 16 * 8) * 2 + (3 * 16 + 3 * 16) * 2 == 2496
+    assert flops == 2 * 3 * 2 * (2 * 8 * 16 + 8 * 16) == 4608
+    fp8_bytes, fp8_flops = bm.layer_traffic(SMALL, m=3, touched=3, weight_bytes=1)
+    assert fp8_bytes == 1152 + 192 and fp8_flops == flops
+
+
+def test_stages_add_up_to_the_layer():
+    up_b, up_f = bm.stage_traffic("up", SMALL, 3, 3)
+    down_b, down_f = bm.stage_traffic("down", SMALL, 3, 3)
+    assert up_b == 3 * 256 * 2 + (3 * 16 + 6 * 8) * 2 == 1728 and up_f == 4 * 6 * 8 * 16 == 3072
+    assert down_b == 3 * 128 * 2 + 6 * (8 + 16) * 2 == 1056 and down_f == 2 * 6 * 8 * 16 == 1536
+    assert up_f + down_f == bm.layer_traffic(SMALL, 3, 3)[1]
+    assert bm.stage_traffic("align", SMALL, 3, 3) == (48, 0.0)
+    assert bm.stage_traffic("reduce", SMALL, 3, 3) == ((6 + 3) * 16 * 2 + 48, 2.0 * 6 * 16)
+
+
+def test_floor_is_the_slower_ceiling():
+    assert bm.floor_us(2496, 4608, copy_bw=1e9, flop_rate=1e10) == pytest.approx(2.496)  # bandwidth bound
+    assert bm.floor_us(2496, 4608, copy_bw=1e9, flop_rate=1e8) == pytest.approx(46.08)  # compute bound
+
+
+def test_count_touched():
+    ids = torch.tensor([[0, 2], [2, 3], [0, 3]], dtype=torch.int32)
+    assert bm.count_touched(ids, 4) == 3
+    assert bm.count_touched(torch.zeros(0, 2, dtype=torch.int32), 4) == 0
+
+
+def test_real_shapes():
+    assert bm.SHAPES["deepseek"].max_m == 4096
+    mixtral_bytes, _ = bm.layer_traffic(bm.SHAPES["mixtral"], m=1, touched=2)
+    assert mixtral_bytes == 2 * 3 * 14336 * 4096 * 2 + 2 * 4096 * 2  # two experts, ~704 MB
+
+
+def _row(graph, eager, provider="tmoe"):
+    return bm.Row(SMALL, "bf16", 3, provider, graph, eager, floor=5.0, nbytes=2e6, flops=4e9, touched=3.0)
+
+
+def test_row_uses_graph_time_then_eager():
+    r = _row(10.0, 12.0)
+    assert r.best_us == 10.0
+    assert bm.row_cells(r) == ["small", "3", "tmoe", "10.0", "12.0", "5.0", "0.50", "0.20", "400.0"]
+    syncing = bm.row_cells(_row("syncs", 20.0, "loop"))
+    assert syncing[3] == "n/a (syncs)" and syncing[6] == "0.25"
+    failed = bm.row_cells(_row("RuntimeError", "RuntimeError", "grouped_mm"))
+    assert failed[3:5] == ["n/a (RuntimeError)"] * 2 and failed[6:] == ["n/a"] * 3
+
+
+def test_markdown_table():
+    lines = bm.markdown_table([_row(10.0, 12.0), _row("syncs", 20.0, "loop")]).splitlines()
+    assert lines[0] == "| shape | M | provider | graph µs | eager µs | floor µs | fraction of floor | TB/s | TFLOP/s |"
+    assert lines[1] == "|" + "---|" * 9
+    assert lines[3] == "| small | 3 | loop | n/a (syncs) | 20.0 | 5.0 | 0.25 | 0.10 | 200.0 |"
+    assert all(line.count("|") == 10 for line in lines)
+
+
+def test_csv_appends_rows_under_one_header(tmp_path):
+    env = bm.Env("2025-01-01T00:00:00", "NVIDIA H200", "2.11.0", "3.6.0", "abc1234")
+    path = tmp_path / "bench_moe.csv"
+    bm.append_csv(path, [_row(10.0, 12.0)], env)
+    bm.append_csv(path, [_row("syncs", 20.0, "loop")], env)
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == bm.CSV_FIELDS and len(rows) == 2
+    assert rows[0]["gpu"] == "NVIDIA H200" and rows[0]["commit"] == "abc1234" and rows[0]["E"] == "4"
+    assert rows[0]["graph_us"] == "10.0" and rows[0]["fraction"] == "0.50" and rows[0]["touched_experts"] == "3"
+    assert rows[1]["provider"] == "loop" and rows[1]["graph_us"] == "n/a (syncs)"
+
+
+def test_plot_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    assert not bm.write_plot(tmp_path / "roofline.png", [_row(10.0, 12.0)])
+    assert not (tmp_path / "roofline.png").exists()
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [bm.Row(SMALL, "bf16", m, "tmoe", 10.0 * m, 12.0, 5.0, 1.0, 1.0, 3.0) for m in (1, 8, 64)]
+    assert bm.write_plot(tmp_path / "roofline.png", rows)
+    assert (tmp_path / "roofline.png").stat().st_size > 0
+
+
+def test_parse_args():
+    a = bm.parse_args([])
+    assert [s.name for s in a.shapes] == ["mixtral", "qwen3", "deepseek"] and a.ms == list(bm.DEFAULT_MS)
+    assert a.dtype == "bf16" and a.loop_max_m == 1024 and a.providers == ("tmoe", "grouped_mm", "loop")
+    assert bm.parse_args(["--quick"]).ms == list(bm.QUICK_MS)
+    a = bm.parse_args(["--shapes", "qwen3", "--ms", "1,8", "--dtype", "fp8_block", "--out", "/tmp/x", "--stages"])
+    assert [s.name for s in a.shapes] == ["qwen3"] and a.ms == [1, 8] and a.dtype == "fp8_block"
+    assert str(a.out) == "/tmp/x" and a.stages
+    for bad in (["--shapes", "llama"], ["--providers", "cublas"], ["--dtype", "fp4"]):
+        with pytest.raises(SystemExit):
+            bm.parse_args(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU exit path")
+def test_main_needs_cuda(capsys):
+    assert bm.main(["--quick"]) == 1
+    assert "CUDA" in capsys.readouterr().out
+
+
+def test_git_commit_is_a_string():
+    assert isinstance(bm.git_commit(), str) and bm.git_commit()
+
+
+@pytest.mark.parametrize("m, e, topk", [(5, 4, 2), (1, 4, 1), (7, 3, 3)])
+def test_peers_match_reference(m, e, topk):
+    n, k = 8, 16
+    w1, w2 = torch.randn(e, 2 * n, k) / 4, torch.randn(e, k, n) / 3
+    x = torch.randn(m, k)
+    weights, ids = torch.topk(torch.randn(m, e).softmax(-1), topk)
+    ids = ids.to(torch.int32)
+    if m > 1:
+        ids[ids == e - 1] = 0  # leave the last expert empty (with duplicate ids in a row when topk > 1)
+    ref = moe_reference(x, w1, w2, weights, ids)
+    grouped = peers.grouped_mm_moe(x, w1.transpose(1, 2), w2.transpose(1, 2), weights, ids)
+    torch.testing.assert_close(grouped, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(peers.loop_moe(x, w1, w2, weights, ids), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_providers_select_by_name():
+    w1, w2 = torch.randn(2, 16, 16, dtype=torch.bfloat16), torch.randn(2, 16, 8, dtype=torch.bfloat16)
+    got = peers.bf16_providers(w1, w2, ("grouped_mm", "loop"))
+    assert [(p.name, p.syncs) for p in got] == [("grouped_mm", False), ("loop", True)]
+
+
+def test_failing_provider_reports_the_error_type():
+    p = peers.Provider("tmoe", peers.failing(ImportError("no quant module")))
+    assert bm.guarded(lambda: p.fn(None)) == "ImportError"
