@@ -1,5 +1,7 @@
 """GPU-only tests (marked ``gpu``; skipped on CPU): model shapes, CUDA graphs, compile with
 reduce-overhead, no host syncs, int64 addressing, device checks."""
+import gc
+
 import pytest
 import torch
 
@@ -147,13 +149,22 @@ def test_model_shapes_fp8(model, scheme):
 
     e, n, k, topk = MODEL_SHAPES[model]
     config, quantize = FP8_SCHEMES[scheme]
-    w1, w2 = _weights(e, n, k)
-    w1q, s1 = quantize(w1)
-    w2q, s2 = quantize(w2)
-    del w1, w2
+    gc.collect()
+    torch.cuda.empty_cache()
     block = config.block_shape
-    w1d = dequantize_fp8_reference(w1q, s1, block).to(torch.bfloat16) if block else (w1q.float() * s1).bfloat16()
-    w2d = dequantize_fp8_reference(w2q, s2, block).to(torch.bfloat16) if block else (w2q.float() * s2).bfloat16()
+
+    def quantized(rows: int, cols: int):
+        """fp8 weights, scales and bf16 dequantized weights, made 16 experts at a time (memory)."""
+        parts = []
+        for _ in range(0, e, 16):
+            w = torch.randn(min(16, e - len(parts) * 16), rows, cols, device="cuda", dtype=torch.bfloat16) / cols**0.5
+            q, s = quantize(w)
+            d = dequantize_fp8_reference(q, s, block) if block else q.float() * s
+            parts.append((q, s, d.to(torch.bfloat16)))
+        return [torch.cat(t) for t in zip(*parts)]
+
+    w1q, s1, w1d = quantized(2 * n, k)
+    w2q, s2, w2d = quantized(k, n)
     for m in (1, 64, 1024):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weights, ids = _routing(m, e, topk)
