@@ -1,0 +1,55 @@
+"""Tile-config lookup: override > tuned table (nearest M) > heuristic; shared-memory fitting."""
+import json
+
+import pytest
+import torch
+
+import tmoe
+from tmoe.config import config_file_name, get_config, save_table
+from tmoe.kernels.moe_gemm import SHARED_MEMORY_BUDGET, fit_shared_memory
+
+
+def test_heuristic_block_m_grows_with_tokens_per_expert():
+    dev = torch.device("cpu")
+    sizes = [get_config(m, 8, 64, 64, 2, dev).block_m for m in (1, 64, 256, 4096)]
+    assert sizes == sorted(sizes) and sizes[0] == 16 and sizes[-1] == 128
+
+
+def test_table_lookup_nearest_m_and_env_dir(tmp_path, monkeypatch):
+    small = tmoe.MoEConfig(tmoe.GemmConfig(16, 32, 128), tmoe.GemmConfig(16, 64, 256))
+    large = tmoe.MoEConfig(tmoe.GemmConfig(64, 64, 64), tmoe.GemmConfig(64, 128, 64))
+    save_table(tmp_path / config_file_name(3, 40, "cpu", None), {8: small, 1024: large})
+    assert json.loads((tmp_path / config_file_name(3, 40, "cpu", None)).read_text())["8"]["up"]["block_n"] == 32
+    monkeypatch.setenv("TMOE_CONFIG_DIR", str(tmp_path))
+    dev = torch.device("cpu")
+    assert get_config(1, 3, 40, 64, 2, dev) == small
+    assert get_config(900, 3, 40, 64, 2, dev) == large
+    assert get_config(900, 3, 41, 64, 2, dev) != large  # no table for N=41: heuristic
+    with tmoe.override_config(small):
+        assert get_config(900, 3, 40, 64, 2, dev) == small
+
+
+def test_shipped_tables_load():
+    from tmoe.config import _load_table
+    from pathlib import Path
+
+    tables = list((Path(tmoe.__file__).parent / "configs").glob("*.json"))
+    assert tables, "tuned tables must ship in the package"
+    for path in tables:
+        assert _load_table(path.name, (path.parent,))
+
+
+@pytest.mark.parametrize("elem_size, gated", [(4, True), (2, True), (1, False)])
+def test_fit_shared_memory(elem_size, gated):
+    cfg = tmoe.GemmConfig(128, 128, 128, num_stages=5)
+    fitted = fit_shared_memory(cfg, elem_size, gated)
+    tile_n = 256 if gated else 128
+    assert fitted.num_stages * fitted.block_k * (128 + tile_n) * elem_size <= SHARED_MEMORY_BUDGET
+    assert fitted.block_m == 128 and fitted.block_n == 128
+
+
+def test_bad_gemm_config():
+    with pytest.raises(ValueError, match="block_n"):
+        tmoe.GemmConfig(16, 48, 64)
+    with pytest.raises(ValueError, match="block_m"):
+        tmoe.MoEConfig(tmoe.GemmConfig(16, 64, 64), tmoe.GemmConfig(32, 64, 64))
