@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import tmoe
 from tmoe.kernels.align import align_output_sizes
 from tmoe.reference import align_reference
-from tmoe.testing.strategies import routing_ids
+from tmoe.testing.strategies import half_remote_expert_map, routing_ids
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,6 @@ CASES = [
 ]
 
 
-def half_remote_map(e: int, device) -> torch.Tensor:
-    """Even experts live here (local ids 0, 1, ...), odd ones on another rank."""
-    ids = torch.arange(e)
-    return torch.where(ids % 2 == 0, ids // 2, -1).to(torch.int32).to(device)
-
-
 def check_align(ids: torch.Tensor, block: int, e: int, expert_map=None) -> None:
     sorted_ids, expert_ids, ntpp = tmoe.moe_align_block_size(ids, block, e, expert_map)
     max_padded, num_blocks = align_output_sizes(ids.numel(), block, e)
@@ -63,7 +57,7 @@ def check_align(ids: torch.Tensor, block: int, e: int, expert_map=None) -> None:
 def test_align_cases(case, index_dtype, device):
     g = torch.Generator().manual_seed(case.m * 31 + case.e)
     ids = routing_ids(case.m, case.e, case.topk, case.routing, g).to(index_dtype).to(device)
-    check_align(ids, case.block, case.e, half_remote_map(case.e, device) if case.expert_map else None)
+    check_align(ids, case.block, case.e, half_remote_expert_map(case.e, device) if case.expert_map else None)
 
 
 @given(

@@ -8,8 +8,7 @@ from hypothesis import given
 import tmoe
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
-from tmoe.testing.strategies import MoEShape, make_problem, problems
-from tests.test_align import half_remote_map
+from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem, problems
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -66,7 +65,7 @@ def test_expert_map_half_remote(dtype):
     """Global E=8, this rank holds the 4 even experts: remote slots contribute exactly zero."""
     shape = MoEShape(23, 8, 64, 64, 2)
     p = make_problem(shape, dtype, "out_of_range", seed=3, device=DEVICE)
-    emap = half_remote_map(8, DEVICE)
+    emap = half_remote_expert_map(8, DEVICE)
     local = torch.arange(8, device=DEVICE)[emap >= 0]
     w1, w2 = p.w1[local].contiguous(), p.w2[local].contiguous()
     out = tmoe.fused_experts(p.x, w1, w2, p.topk_weights, p.topk_ids, global_num_experts=8, expert_map=emap)

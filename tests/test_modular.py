@@ -5,8 +5,7 @@ import torch
 import tmoe
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
-from tmoe.testing.strategies import MoEShape, make_problem
-from tests.test_align import half_remote_map
+from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -43,7 +42,7 @@ def test_batched_capacity_drops_highest_slots_deterministically():
 def test_expert_map_both_formats(fmt):
     shape = MoEShape(15, 8, 64, 64, 2)
     p = make_problem(shape, torch.float32, "out_of_range", seed=10, device=DEVICE)
-    emap = half_remote_map(8, DEVICE)
+    emap = half_remote_expert_map(8, DEVICE)
     local = torch.arange(8, device=DEVICE)[emap >= 0]
     w1, w2 = p.w1[local].contiguous(), p.w2[local].contiguous()
     kernel = (tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts()) if fmt == "standard"

@@ -67,6 +67,12 @@ def routing_ids(m: int, e: int, topk: int, routing: str, generator: torch.Genera
     return ids.to(torch.int32).reshape(m, topk)
 
 
+def half_remote_expert_map(e: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """(e,) int32 expert_map of a rank holding the even experts (local ids 0, 1, ...); odd ones are remote."""
+    ids = torch.arange(e)
+    return torch.where(ids % 2 == 0, ids // 2, -1).to(torch.int32).to(device)
+
+
 def make_problem(shape: MoEShape, dtype: torch.dtype, routing: str, seed: int, device: str | torch.device = "cpu"):
     """Random layer inputs with weights scaled so outputs stay O(1)."""
     g = torch.Generator().manual_seed(seed)
