@@ -1,0 +1,1 @@
+"""Drop-in integrations with model libraries (optional dependencies)."""
