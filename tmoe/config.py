@@ -61,9 +61,13 @@ def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | Non
         bm, bn, bk, warps, stages = 64, 64, 64, 4, 4
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    up_bn = bn
     if block_k_cap is not None:
-        bk = min(bk, block_k_cap)
-    up = GemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
+        # block scales: one K tile per scale group, and a narrower up tile, because the
+        # per-tile rescale keeps a second [BM, 2BN] fp32 accumulator live (register spills)
+        bk, stages = min(128, block_k_cap), 3
+        up_bn = min(bn, 64)
+    up = GemmConfig(bm, up_bn, bk, num_warps=warps, num_stages=stages)
     down = GemmConfig(bm, min(2 * bn, 128) if bm <= 32 else bn, bk, num_warps=warps, num_stages=stages)
     return MoEConfig(up, down)
 
