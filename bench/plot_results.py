@@ -14,13 +14,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def main(csv_path: Path, out_dir: Path) -> None:
-    series: dict[str, dict[tuple[str, str], list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    latest: dict[tuple[str, str, str, int], float] = {}  # later rows (newer runs) win
     for row in csv.DictReader(csv_path.open()):
         try:
-            fraction = float(row["fraction"])
+            latest[(row["dtype"], row["shape"], row["provider"], int(row["M"]))] = float(row["fraction"])
         except ValueError:
             continue
-        series[row["dtype"]][(row["shape"], row["provider"])].append((int(row["M"]), fraction))
+    series: dict[str, dict[tuple[str, str], list[tuple[int, float]]]] = defaultdict(lambda: defaultdict(list))
+    for (dtype, shape, provider, m), fraction in latest.items():
+        series[dtype][(shape, provider)].append((m, fraction))
     styles = {"tmoe": "-", "grouped_mm": "--", "loop": ":"}
     for dtype, lines in series.items():
         shapes = sorted({shape for shape, _ in lines})

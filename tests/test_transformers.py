@@ -1,4 +1,6 @@
 """Drop-in use in tiny random Hugging Face MoE models (config objects only, no downloads)."""
+import copy
+
 import pytest
 import torch
 
@@ -43,10 +45,8 @@ def _model(name, dtype=torch.float32):
     return model
 
 
-@pytest.mark.parametrize("name, dtype", [("mixtral", torch.float32), ("qwen2_moe", torch.float32),
-                                         ("qwen3_moe", torch.float32), ("deepseek_v3", torch.float32),
-                                         ("mixtral", torch.bfloat16), ("qwen3_moe", torch.bfloat16)])
-def test_logits_match_after_swap(name, dtype):
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+def test_logits_match_after_swap(name, dtype=torch.float32):
     model = _model(name, dtype)
     tokens = torch.randint(0, 96, (2, 7), device=DEVICE)
     with torch.no_grad():
@@ -55,6 +55,24 @@ def test_logits_match_after_swap(name, dtype):
         after = model(tokens).logits
     assert any(isinstance(m, TmoeExperts) for m in model.modules())
     assert_close(after, before, dtype, name=f"{name} logits")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_bf16_experts_match_float32_experts(name):
+    """bf16 end-to-end logits are not comparable (a rounding difference can flip a later layer's
+    routing), so in bf16 each swapped experts module is checked on its own, on the model's own
+    routing, against the stock module run in float32."""
+    model = _model(name, torch.bfloat16)
+    block = next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
+    stock = block.experts
+    x = torch.randn(14, 64, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        _, weights, ids = block.gate(x)
+        ref = copy.deepcopy(stock).float()(x.float(), ids, weights.float())
+        replace_moe_blocks(model)
+        out = block.experts(x, ids, weights)
+    assert isinstance(block.experts, TmoeExperts)
+    assert_close(out, ref, torch.bfloat16)
 
 
 def test_swapped_block_compiles_fullgraph():
