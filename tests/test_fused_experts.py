@@ -131,3 +131,24 @@ def _args(**over):
 def test_bad_input_raises_before_launch(over, kwargs, error, match):
     with pytest.raises(error, match=match):
         tmoe.fused_experts(**_args(**over), **kwargs)
+
+
+@pytest.mark.parametrize("fmt", ["standard", "batched"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_biases_with_swigluoai(dtype, fmt):
+    """GPT-OSS-style experts: biases before the activation and before the router weight."""
+    p = make_problem(MoEShape(11, 4, 64, 72, 2), dtype, "out_of_range", seed=17, device=DEVICE)
+    b1 = torch.randn(4, 128, device=DEVICE).to(dtype)
+    b2 = torch.randn(4, 72, device=DEVICE).to(dtype)
+    kwargs = dict(activation="swigluoai", w1_bias=b1, w2_bias=b2)
+    if fmt == "standard":
+        out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kwargs)
+    else:
+        kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(22, 4), tmoe.BatchedTritonExperts(22))
+        out = kernel(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kwargs)
+    assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kwargs), dtype)
+
+
+def test_bad_bias_shape():
+    with pytest.raises(ValueError, match="w1_bias"):
+        tmoe.fused_experts(**_args(), w1_bias=torch.zeros(4, 64))

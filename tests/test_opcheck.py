@@ -19,7 +19,8 @@ def _cases():
     emap = torch.tensor([0, -1, 1, -1], dtype=torch.int32, device=DEVICE)
     inter = torch.randn(9 * 2, 64, device=DEVICE)
     y = torch.randn(9, 2, 72, device=DEVICE)
-    layer = (p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, "silu", -1, None, None, None, None, None, False)
+    b1, b2 = torch.randn(4, 128, device=DEVICE), torch.randn(4, 72, device=DEVICE)
+    layer = (p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, "silu", -1, None, None, None, None, None, False, b1, b2)
     kernel = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts())
     return {
         "moe_align_block_size": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, None)),

@@ -46,7 +46,7 @@ class TritonExperts(_TritonExpertsBase):
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, w1_scale, w2_scale, a1q_scale, a2_scale, workspace13, workspace2, expert_num_tokens,
-              apply_router_weight_on_input) -> None:
+              apply_router_weight_on_input, w1_bias=None, w2_bias=None) -> None:
         m, k = hidden_states.shape
         topk = topk_ids.shape[1]
         n = w1.shape[1] // 2
@@ -59,13 +59,13 @@ class TritonExperts(_TritonExpertsBase):
         invoke_moe_gemm(
             hidden_states, w1, intermediate, cfg.up, gated=True, activation=activation,
             routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk),
-            topk_weights=weights, scales=self._scales(a1q_scale, w1_scale),
+            topk_weights=weights, scales=self._scales(a1q_scale, w1_scale), bias=w1_bias,
         )
         a2q, a2q_scale = quantize_activations(intermediate, self.quant_config, a2_scale)
         invoke_moe_gemm(
             a2q, w2, output.view(m * topk, k), cfg.down, gated=False,
             routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1),
-            scales=self._scales(a2q_scale, w2_scale),
+            scales=self._scales(a2q_scale, w2_scale), bias=w2_bias,
         )
 
 
@@ -87,13 +87,13 @@ class BatchedTritonExperts(_TritonExpertsBase):
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, w1_scale, w2_scale, a1q_scale, a2_scale, workspace13, workspace2, expert_num_tokens,
-              apply_router_weight_on_input) -> None:
+              apply_router_weight_on_input, w1_bias=None, w2_bias=None) -> None:
         e, cap, k = hidden_states.shape
         n = w1.shape[1] // 2
         cfg = self._config(cap, e, n, k, 1, hidden_states.device)
         intermediate = workspace2.view(e, cap, n)
         invoke_moe_gemm(hidden_states, w1, intermediate, cfg.up, gated=True, activation=activation,
-                        expert_num_tokens=expert_num_tokens, scales=self._scales(a1q_scale, w1_scale))
+                        expert_num_tokens=expert_num_tokens, scales=self._scales(a1q_scale, w1_scale), bias=w1_bias)
         a2q, a2q_scale = quantize_activations(intermediate, self.quant_config, a2_scale)
         invoke_moe_gemm(a2q, w2, output, cfg.down, gated=False, expert_num_tokens=expert_num_tokens,
-                        scales=self._scales(a2q_scale, w2_scale))
+                        scales=self._scales(a2q_scale, w2_scale), bias=w2_bias)

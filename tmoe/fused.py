@@ -35,6 +35,8 @@ def fused_experts(
     w2_scale: torch.Tensor | None = None,
     a1_scale: torch.Tensor | None = None,
     a2_scale: torch.Tensor | None = None,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[m] = sum_t topk_weights[m, t] * w2[e] @ (act(w1[e, :N] @ x[m]) * (w1[e, N:] @ x[m])), e = topk_ids[m, t].
 
@@ -49,6 +51,8 @@ def fused_experts(
             global ids to local ids or -1. Slots of remote or out-of-range experts contribute 0.
         inplace: write the result into ``hidden_states``.
         a1_scale/a2_scale: static per-tensor activation scales (dynamic when None).
+        w1_bias (E, 2N) / w2_bias (E, K): optional expert biases, added before the activation
+            and before the router weight.
 
     Returns:
         (M, K) tensor in hidden_states.dtype.
@@ -59,7 +63,7 @@ def fused_experts(
     """
     qc = quant_config or FusedMoEQuantConfig()
     args = (hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map, w1_scale,
-            w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, *qc.as_args())
+            w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, w1_bias, w2_bias, *qc.as_args())
     if inplace:
         torch.ops.tmoe.fused_experts_(*args)
         return hidden_states

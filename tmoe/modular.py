@@ -144,7 +144,10 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
         expert_map: torch.Tensor | None, w1_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
         a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None, workspace13: torch.Tensor,
         workspace2: torch.Tensor, expert_num_tokens: torch.Tensor | None, apply_router_weight_on_input: bool,
-    ) -> None: ...
+        w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+    ) -> None:
+        """Expert outputs into ``output``; ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K) are optional
+        per-expert biases (GPT-OSS)."""
 
 
 _KERNELS: "weakref.WeakValueDictionary[int, FusedMoEModularKernel]" = weakref.WeakValueDictionary()

@@ -14,7 +14,7 @@ from tmoe.modular import (
 
 
 def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
-                     apply_router_weight_on_input) -> None:
+                     apply_router_weight_on_input, w1_bias=None, w2_bias=None) -> None:
     """Shape/dtype/device checks of a layer call; raises before any launch."""
     check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, ndim=2)
     dev = hidden_states.device
@@ -36,6 +36,12 @@ def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, 
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if apply_router_weight_on_input and topk_ids.shape[1] != 1:
         raise ValueError("apply_router_weight_on_input needs topk == 1")
+    for name, bias, rows in (("w1_bias", w1_bias, two_n), ("w2_bias", w2_bias, k)):
+        if bias is not None:
+            check_tensor(name, bias, dtypes=FLOAT_DTYPES, ndim=2, device=dev)
+            check_shape(name, bias, (e, rows))
+            if bias.stride(1) != 1:
+                raise ValueError(f"{name} must be contiguous along its last dimension")
     num_experts = global_num_experts if global_num_experts > 0 else e
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=dev, contiguous=True)
@@ -71,9 +77,10 @@ class FusedMoEModularKernel(nn.Module):
 
     def forward(self, hidden_states, w1, w2, topk_weights, topk_ids, inplace: bool = False, activation: str = "silu",
                 global_num_experts: int = -1, expert_map=None, w1_scale=None, w2_scale=None, a1_scale=None,
-                a2_scale=None, apply_router_weight_on_input: bool = False) -> torch.Tensor:
+                a2_scale=None, apply_router_weight_on_input: bool = False, w1_bias=None,
+                w2_bias=None) -> torch.Tensor:
         args = (hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
-                w1_scale, w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, self.handle)
+                w1_scale, w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, w1_bias, w2_bias, self.handle)
         if inplace:
             torch.ops.tmoe.modular_forward_(*args)
             return hidden_states
@@ -81,10 +88,10 @@ class FusedMoEModularKernel(nn.Module):
 
     def run(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation="silu", global_num_experts=-1,
             expert_map=None, w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None,
-            apply_router_weight_on_input=False) -> torch.Tensor:
+            apply_router_weight_on_input=False, w1_bias=None, w2_bias=None) -> torch.Tensor:
         """The eager body: writes the layer output into ``output`` (M, K) and returns it."""
         check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
-                         apply_router_weight_on_input)
+                         apply_router_weight_on_input, w1_bias, w2_bias)
         experts, pf = self.fused_experts, self.prepare_finalize
         if expert_map is not None and not experts.supports_expert_map():
             raise ValueError(f"{type(experts).__name__} does not support expert_map")
@@ -109,7 +116,7 @@ class FusedMoEModularKernel(nn.Module):
             prepared = pf.prepare(x, weights, ids, num_experts, expert_map, apply_router_weight_on_input, qc, a1_scale)
             experts.apply(fused_out, prepared.a1q, w1, w2, weights, ids, activation, num_experts, expert_map,
                           w1_scale, w2_scale, prepared.a1q_scale, a2_scale, ws13, ws2, prepared.expert_num_tokens,
-                          apply_router_weight_on_input)
+                          apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias)
             pf.finalize(output[start:end], fused_out, weights, ids, apply_router_weight_on_input,
                         num_experts=num_experts, expert_map=expert_map, prepared=prepared)
         return output

@@ -128,26 +128,20 @@ def _layer_fake(hidden_states, w1, w2, topk_weights, topk_ids):
     return torch.empty_like(hidden_states)
 
 
-def _modular_run(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
-                 w1_scale, w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, kernel) -> torch.Tensor:
-    return kernel.run(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-                      expert_map, w1_scale, w2_scale, a1_scale, a2_scale, apply_router_weight_on_input)
-
-
 @torch.library.custom_op("tmoe::modular_forward", mutates_args=())
 def modular_forward(
     hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, activation: str, global_num_experts: int, expert_map: torch.Tensor | None,
     w1_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, a1_scale: torch.Tensor | None,
-    a2_scale: torch.Tensor | None, apply_router_weight_on_input: bool, handle: int,
+    a2_scale: torch.Tensor | None, apply_router_weight_on_input: bool, w1_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None, handle: int,
 ) -> torch.Tensor:
     """The layer call of the FusedMoEModularKernel registered under ``handle``."""
     from tmoe.modular import kernel_for_handle
 
-    out = torch.empty_like(hidden_states)
-    return _modular_run(out, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-                        expert_map, w1_scale, w2_scale, a1_scale, a2_scale, apply_router_weight_on_input,
-                        kernel_for_handle(handle))
+    args = (hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map, w1_scale,
+            w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, w1_bias, w2_bias)
+    return kernel_for_handle(handle).run(torch.empty_like(hidden_states), *args)
 
 
 @modular_forward.register_fake
@@ -160,14 +154,15 @@ def modular_forward_(
     hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, activation: str, global_num_experts: int, expert_map: torch.Tensor | None,
     w1_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, a1_scale: torch.Tensor | None,
-    a2_scale: torch.Tensor | None, apply_router_weight_on_input: bool, handle: int,
+    a2_scale: torch.Tensor | None, apply_router_weight_on_input: bool, w1_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None, handle: int,
 ) -> None:
     """In-place ``modular_forward``: the output overwrites ``hidden_states``."""
     from tmoe.modular import kernel_for_handle
 
-    _modular_run(hidden_states, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-                 expert_map, w1_scale, w2_scale, a1_scale, a2_scale, apply_router_weight_on_input,
-                 kernel_for_handle(handle))
+    args = (hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map, w1_scale,
+            w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, w1_bias, w2_bias)
+    kernel_for_handle(handle).run(hidden_states, *args)
 
 
 @modular_forward_.register_fake
@@ -188,14 +183,15 @@ def fused_experts(
     hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, activation: str, global_num_experts: int, expert_map: torch.Tensor | None,
     w1_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, a1_scale: torch.Tensor | None,
-    a2_scale: torch.Tensor | None, apply_router_weight_on_input: bool, quant_dtype: str | None,
-    per_act_token_quant: bool, per_out_ch_quant: bool, block_shape: list[int] | None,
+    a2_scale: torch.Tensor | None, apply_router_weight_on_input: bool, w1_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None, quant_dtype: str | None, per_act_token_quant: bool, per_out_ch_quant: bool,
+    block_shape: list[int] | None,
 ) -> torch.Tensor:
     """``tmoe.fused_experts``: the default modular kernel for the given quantization."""
+    args = (hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map, w1_scale,
+            w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, w1_bias, w2_bias)
     kernel = _default(quant_dtype, per_act_token_quant, per_out_ch_quant, block_shape)
-    return _modular_run(torch.empty_like(hidden_states), hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                        global_num_experts, expert_map, w1_scale, w2_scale, a1_scale, a2_scale,
-                        apply_router_weight_on_input, kernel)
+    return kernel.run(torch.empty_like(hidden_states), *args)
 
 
 @fused_experts.register_fake
@@ -208,13 +204,14 @@ def fused_experts_(
     hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, activation: str, global_num_experts: int, expert_map: torch.Tensor | None,
     w1_scale: torch.Tensor | None, w2_scale: torch.Tensor | None, a1_scale: torch.Tensor | None,
-    a2_scale: torch.Tensor | None, apply_router_weight_on_input: bool, quant_dtype: str | None,
-    per_act_token_quant: bool, per_out_ch_quant: bool, block_shape: list[int] | None,
+    a2_scale: torch.Tensor | None, apply_router_weight_on_input: bool, w1_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None, quant_dtype: str | None, per_act_token_quant: bool, per_out_ch_quant: bool,
+    block_shape: list[int] | None,
 ) -> None:
     """In-place ``fused_experts``."""
-    kernel = _default(quant_dtype, per_act_token_quant, per_out_ch_quant, block_shape)
-    _modular_run(hidden_states, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
-                 expert_map, w1_scale, w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, kernel)
+    args = (hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map, w1_scale,
+            w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, w1_bias, w2_bias)
+    _default(quant_dtype, per_act_token_quant, per_out_ch_quant, block_shape).run(hidden_states, *args)
 
 
 @fused_experts_.register_fake

@@ -57,11 +57,15 @@ def moe_reference(
     expert_map: torch.Tensor | None = None,
     global_num_experts: int = -1,
     dtype: torch.dtype = torch.float32,
+    w1_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The MoE layer: out[m] = sum_t w[m,t] * w2[e] @ act_and_mul(w1[e] @ x[m]), e = topk_ids[m,t].
+    """The MoE layer: out[m] = sum_t w[m,t] * (w2[e] @ act_and_mul(w1[e] @ x[m] + b1[e]) + b2[e]),
+    e = topk_ids[m,t].
 
-    w1 (E_local, 2N, K) gate rows first; w2 (E_local, K, N). Slots of out-of-range or remote
-    experts contribute zero. Computed expert by expert in ``dtype``; returns (M, K).
+    w1 (E_local, 2N, K) gate rows first; w2 (E_local, K, N); optional biases b1 (E_local, 2N),
+    b2 (E_local, K). Slots of out-of-range or remote experts contribute zero. Computed expert by
+    expert in ``dtype``; returns (M, K).
     """
     num_experts = global_num_experts if global_num_experts > 0 else w1.shape[0]
     n = w1.shape[1] // 2
@@ -75,7 +79,11 @@ def moe_reference(
         weight = topk_weights[rows, cols].to(dtype).unsqueeze(1)
         xe = x[rows] * weight if apply_router_weight_on_input else x[rows]
         h = xe @ w1[local].to(dtype).T
+        if w1_bias is not None:
+            h = h + w1_bias[local].to(dtype)
         y = act_and_mul_reference(h[:, :n], h[:, n:], activation) @ w2[local].to(dtype).T
+        if w2_bias is not None:
+            y = y + w2_bias[local].to(dtype)
         out.index_add_(0, rows, y if apply_router_weight_on_input else y * weight)
     return out
 

@@ -28,6 +28,7 @@ def _moe_gemm_kernel(
     a_scale_ptr,  # [rows, K // GROUP_K] (zero strides broadcast per-tensor scales)
     w_scale_ptr,  # [E, N_w // GROUP_N, K // GROUP_K]
     topk_weights_ptr,  # [num_slots] float32
+    bias_ptr,  # [E, N_w] expert biases (HAS_BIAS), in w's row order
     sorted_ids_ptr,  # [EM] int32, Standard only
     expert_ids_ptr,  # [EM // BLOCK_M] int32, Standard only
     num_post_padded_ptr,  # [1] int32, Standard only
@@ -37,10 +38,11 @@ def _moe_gemm_kernel(
     stride_we, stride_wn, stride_wk,
     stride_oe, stride_om, stride_on,
     stride_ase, stride_asm, stride_ask,
-    stride_wse, stride_wsn, stride_wsk,
+    stride_wse, stride_wsn, stride_wsk, stride_be,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATED: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BATCHED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -89,12 +91,22 @@ def _moe_gemm_kernel(
         K, stride_ak, stride_wk, stride_ask, stride_wsk,
         BLOCK_M, BLOCK_N * (1 + GATED), BLOCK_K, GROUP_K, QUANT, EVEN_K, PRECISION,
     )  # [BM, BN] float32, [BM, 2BN] when GATED
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_be + w_cols, mask=mask_c, other=0.0).to(tl.float32)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
-        acc = acc * weight[:, None]
-    if GATED:
+    if GATED:  # act((w * x) @ W1 + b1): the weight scales the input, the bias is not scaled
+        if MUL_ROUTED_WEIGHT:
+            acc = acc * weight[:, None]
+        if HAS_BIAS:
+            acc += bias[None, :]
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         acc = act_and_mul(gate, up, ACTIVATION)
+    else:  # w * (h @ W2 + b2)
+        if HAS_BIAS:
+            acc += bias[None, :]
+        if MUL_ROUTED_WEIGHT:
+            acc = acc * weight[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
 
 
@@ -192,10 +204,12 @@ def invoke_moe_gemm(
     expert_num_tokens: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
     scales: Scales | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch one expert GEMM into ``out``; exactly one of ``routing`` (Standard) and
     ``expert_num_tokens`` (Batched) is given. ``topk_weights`` ([num_slots] float32) multiplies
-    each slot's accumulator (Standard only). Shapes were checked by the caller."""
+    each slot's accumulator (Standard only); ``bias`` (E, N_w) is added per expert before the
+    activation (gated) or before the weight (down). Shapes were checked by the caller."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     batched = routing is None
@@ -220,6 +234,8 @@ def invoke_moe_gemm(
     grid = (num_pid_m * triton.cdiv(n, config.block_n),)
     _moe_gemm_kernel[grid](
         a, w, out, topk_weights_ptr=topk_weights if topk_weights is not None else w,
+        bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None,
         N=n, K=k, num_pid_m=num_pid_m, blocks_per_expert=blocks_per_expert,
         stride_am=a.stride(-2), stride_ak=a.stride(-1),
         stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
