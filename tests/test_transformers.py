@@ -28,6 +28,8 @@ def _configs():
                                                   n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
                                                   kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                                   v_head_dim=16, routed_scaling_factor=2.5),
+        "gpt_oss": lambda: t.GptOssConfig(**COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                          head_dim=16, layer_types=["full_attention"] * 2),
     }
 
 
@@ -37,15 +39,16 @@ def _model(name, dtype=torch.float32):
     model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, dtype).eval()
     with torch.no_grad():  # random, non-trivial expert and router-bias weights
         for module in model.modules():
-            if hasattr(module, "gate_up_proj"):
-                module.gate_up_proj.normal_(0, 0.08)
-                module.down_proj.normal_(0, 0.08)
+            if type(module).__name__.endswith("Experts"):
+                for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+                    if hasattr(module, name):
+                        getattr(module, name).normal_(0, 0.08)
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.normal_(0, 0.05)
     return model
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_logits_match_after_swap(name, dtype=torch.float32):
     model = _model(name, dtype)
     tokens = torch.randint(0, 96, (2, 7), device=DEVICE)
@@ -57,17 +60,18 @@ def test_logits_match_after_swap(name, dtype=torch.float32):
     assert_close(after, before, dtype, name=f"{name} logits")
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_bf16_experts_match_float32_experts(name):
     """bf16 end-to-end logits are not comparable (a rounding difference can flip a later layer's
     routing), so in bf16 each swapped experts module is checked on its own, on the model's own
     routing, against the stock module run in float32."""
     model = _model(name, torch.bfloat16)
-    block = next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate"))
+    block = next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "router" if name == "gpt_oss"
+                                                                                  else "gate"))
     stock = block.experts
     x = torch.randn(14, 64, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
-        _, weights, ids = block.gate(x)
+        _, weights, ids = (block.router if name == "gpt_oss" else block.gate)(x)
         ref = copy.deepcopy(stock).float()(x.float(), ids, weights.float())
         replace_moe_blocks(model)
         out = block.experts(x, ids, weights)
