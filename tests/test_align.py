@@ -33,6 +33,8 @@ CASES = [
     Case(9, 8, 128, 16),  # numel < E: capped output length
     Case(300, 4, 8, 64),  # several chunks: the three-launch path
     Case(700, 2, 16, 32, "skewed"),
+    Case(100, 8, 128, 16, "skewed"),  # E=128: 32-slot sub-tiles, seven 128-slot chunks
+    Case(33, 8, 256, 64, "out_of_range"),  # E=256: 64-slot chunks
     Case(64, 2, 8, 16, "uniform", expert_map=True),
     Case(600, 2, 8, 16, "out_of_range", expert_map=True),
 ]

@@ -2,7 +2,9 @@
 
 Deterministic and stable: within an expert, slots keep ascending slot order. No atomics.
 Small problems (one chunk) take one launch; larger ones three: per-chunk histogram, a
-one-program scan that turns counts into positions, and a per-chunk scatter.
+one-program scan that turns counts into positions, and a per-chunk scatter. A chunk is a few
+sub-tiles, so the serial part of each program stays short and large inputs spread over
+many programs.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import triton.language as tl
 from tmoe.checks import INDEX_DTYPES, check_tensor
 
 MAX_CHUNK = 1024
+SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
+SUBS_PER_CHUNK = 4  # sub-tiles each program walks in sequence (each step depends on the last)
 
 
 @triton.jit
@@ -196,9 +200,10 @@ def moe_align_block_size(
                 BLOCK_SIZE=block_size)
     emap = expert_map if expert_map is not None else num_post_padded
     offsets = expert_offsets if expert_offsets is not None else num_post_padded
-    chunk = min(MAX_CHUNK, max(16, triton.next_power_of_2(numel)))
-    sub = max(1, min(chunk, 4096 // e_pad))
-    if numel <= MAX_CHUNK:
+    sub = max(16, SUB_TILE_ELEMENTS // e_pad)
+    chunk = min(MAX_CHUNK, sub * SUBS_PER_CHUNK, max(16, triton.next_power_of_2(numel)))
+    sub = min(sub, chunk)
+    if numel <= chunk:
         _align_single_kernel[(1,)](
             topk_ids, sorted_ids, expert_ids, num_post_padded, emap, offsets, numel, num_experts, max_padded,
             num_blocks, CHUNK=chunk, SUB=sub, **meta,
