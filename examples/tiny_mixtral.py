@@ -17,6 +17,7 @@ import transformers
 
 import tmoe  # noqa: F401  (sets up the interpreter on CPU)
 from tmoe.integrations.transformers import replace_moe_blocks
+from tmoe.testing import capture_cuda_graph
 
 
 def _ms(fn, reps: int) -> float:
@@ -32,18 +33,6 @@ def _ms(fn, reps: int) -> float:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
-
-
-def _graph(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def main(tiny: bool = False, new_tokens: int = 32) -> dict[str, float]:
@@ -79,7 +68,7 @@ def main(tiny: bool = False, new_tokens: int = 32) -> dict[str, float]:
         results["stock MoE block, 1 token, eager ms"] = _ms(lambda: stock_block(x), 20 if device == "cuda" else 1)
         results["tmoe MoE block, 1 token, eager ms"] = _ms(lambda: fast_block(x), 20 if device == "cuda" else 1)
         if device == "cuda":
-            results["tmoe MoE block, 1 token, CUDA graph ms"] = _ms(_graph(lambda: fast_block(x)), 50)
+            results["tmoe MoE block, 1 token, CUDA graph ms"] = _ms(capture_cuda_graph(lambda: fast_block(x))[0].replay, 50)
     for key, value in results.items():
         print(f"{key:45s} {value:10.4f}", flush=True)
     return results

@@ -7,7 +7,7 @@ import torch
 
 import tmoe
 from tmoe.reference import moe_reference
-from tmoe.testing import assert_close, rel_error
+from tmoe.testing import assert_close, capture_cuda_graph, rel_error
 from tmoe.testing.strategies import MoEShape, make_problem
 
 pytestmark = pytest.mark.gpu
@@ -58,14 +58,7 @@ def test_cuda_graph_replay_with_new_routing(m, fmt):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weights, ids = _routing(m, e, topk)
     kernel.warmup(m, w1, w2, topk)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        kernel(x, w1, w2, weights, ids)  # warm-up on the capture stream
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = kernel(x, w1, w2, weights, ids)
+    graph, out = capture_cuda_graph(lambda: kernel(x, w1, w2, weights, ids))
     for trial in range(3):
         x.copy_(torch.randn_like(x))
         new_weights, new_ids = _routing(m, e, topk)
@@ -181,14 +174,7 @@ def test_fp8_cuda_graph_replay():
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weights, ids = _routing(m, e, topk)
     run = lambda: tmoe.fused_experts(x, w1q, w2q, weights, ids, quant_config=config, w1_scale=s1, w2_scale=s2)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_cuda_graph(run)
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         new_weights, new_ids = _routing(m, e, topk)

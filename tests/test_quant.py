@@ -19,6 +19,7 @@ from tmoe.reference import (
     per_token_quant_fp8_reference,
     static_quant_fp8_reference,
 )
+from tmoe.testing import capture_cuda_graph
 
 # Kernel and reference both compute x / scale as IEEE float32 division (tl.div_rn; float64 rounded
 # to float32) and cast rounding to nearest even, so no fp8 code may differ. A reciprocal multiply x * (1 / scale) or an
@@ -304,10 +305,7 @@ def test_cuda_graph_replay_matches_eager(device):
         return (*per_token_group_quant_fp8(x, 128, column_major_scales=True), *per_token_quant_fp8(x),
                 static_quant_fp8(x, scale))
 
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = run()
+    graph, outs = capture_cuda_graph(run)
     x.copy_(make_x((64, 512), torch.bfloat16, device))
     scale.fill_(0.01)
     graph.replay()

@@ -11,7 +11,7 @@ import tmoe.ops  # noqa: F401  (registers torch.ops.tmoe.*)
 from tmoe.kernels import router
 from tmoe.kernels.router import topk_route
 from tmoe.reference import topk_route_reference
-from tmoe.testing import Tolerance, assert_close
+from tmoe.testing import Tolerance, assert_close, capture_cuda_graph
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # softmax of all -inf rows (all-NaN logits, rows past M) is 0/0 by design in the interpreter's numpy
@@ -216,10 +216,7 @@ def test_cuda_graph_replay(device: torch.device) -> None:
     bias = 0.1 * torch.randn(256, device=device)
     kwargs = dict(scoring="sigmoid", num_expert_group=8, topk_group=4, e_score_correction_bias=bias,
                   routed_scaling_factor=2.5)
-    topk_route(logits, 8, **kwargs)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        w, ids = topk_route(logits, 8, **kwargs)
+    graph, (w, ids) = capture_cuda_graph(lambda: topk_route(logits, 8, **kwargs))
     logits.copy_(torch.randn_like(logits))
     graph.replay()
     ref_w, ref_ids = topk_route(logits, 8, **kwargs)

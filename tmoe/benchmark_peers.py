@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from tmoe.testing.graphs import capture_cuda_graph
+
 Call = Callable[[], torch.Tensor]
 
 FP8_MODES = ("fp8_block", "fp8_token")
@@ -217,18 +219,7 @@ class Ceilings:
 def time_graph(calls: Sequence[Call], min_rounds: int = 20, target_ms: float = 100.0) -> float:
     """Median µs per replay: one CUDA graph captured per call (after a side-stream warm-up),
     each round replays them all in turn; at least ``min_rounds`` rounds timed with events."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graphs, outs = [], []
-    for call in calls:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs.append(call())
-        graphs.append(g)
+    graphs, _outs = zip(*(capture_cuda_graph(call) for call in calls))  # outputs kept alive while replaying
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for g in graphs:

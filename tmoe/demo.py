@@ -10,7 +10,7 @@ import torch
 
 import tmoe
 from tmoe.reference import moe_reference
-from tmoe.testing import rel_error
+from tmoe.testing import capture_cuda_graph, rel_error
 
 
 def _time_ms(fn: Callable[[], torch.Tensor], reps: int) -> float:
@@ -30,18 +30,6 @@ def _time_ms(fn: Callable[[], torch.Tensor], reps: int) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
-
-
-def _cuda_graph(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return lambda: (graph.replay(), out)[1], out
 
 
 def run_demo() -> None:
@@ -67,7 +55,8 @@ def run_demo() -> None:
         "torch.compile(fullgraph)": lambda: compiled(x, w1, w2, weights, ids),
     }
     if gpu:
-        modes["cuda graph"] = _cuda_graph(modes["eager"])[0]
+        graph, graph_out = capture_cuda_graph(modes["eager"])
+        modes["cuda graph"] = lambda: (graph.replay(), graph_out)[1]
     reps = 20 if gpu else 3
     print(f"tmoe demo on {torch.cuda.get_device_name() if gpu else 'CPU (Triton interpreter)'}: "
           f"E={e} N={n} K={k} topk={topk} M={m} {str(dtype).removeprefix('torch.')}")

@@ -2,7 +2,8 @@
 and the Triton-interpreter workarounds used on CPU.
 
 ``tmoe.testing.strategies`` needs ``hypothesis`` (the ``test`` extra)."""
+from tmoe.testing.graphs import capture_cuda_graph
 from tmoe.testing.interpreter import patch_interpreter
 from tmoe.testing.tolerance import TOLERANCES, Tolerance, assert_close, poison, rel_error
 
-__all__ = ["TOLERANCES", "Tolerance", "assert_close", "patch_interpreter", "poison", "rel_error"]
+__all__ = ["TOLERANCES", "Tolerance", "assert_close", "capture_cuda_graph", "patch_interpreter", "poison", "rel_error"]
