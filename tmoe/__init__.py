@@ -14,6 +14,7 @@ if not _torch.cuda.is_available():
 
 from tmoe import ops as _ops  # noqa: F401  (registers torch.ops.tmoe.*)
 from tmoe.config import GemmConfig, MoEConfig, get_config, override_config
+from tmoe.distributed import AllGatherPrepareAndFinalize
 from tmoe.experts import BatchedTritonExperts, TritonExperts
 from tmoe.fused import fused_experts
 from tmoe.kernels.align import moe_align_block_size
@@ -37,7 +38,7 @@ from tmoe.quant_weights import (
 from tmoe.prepare_finalize import BatchedPrepareAndFinalize, NoEPPrepareAndFinalize
 
 __all__ = [
-    "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoE", "FusedMoEActivationFormat", "FusedMoEModularKernel",
+    "AllGatherPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoE", "FusedMoEActivationFormat", "FusedMoEModularKernel",
     "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "GemmConfig",
     "MoEConfig", "NoEPPrepareAndFinalize", "PrepareResult", "TritonExperts", "fused_experts", "get_config",
     "moe_align_block_size", "moe_reduce", "override_config", "per_token_group_quant_fp8", "per_token_quant_fp8",

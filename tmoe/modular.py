@@ -73,9 +73,11 @@ class FusedMoEQuantConfig:
 
 @dataclass(frozen=True)
 class PrepareResult:
-    """What prepare hands to the experts. Standard: ``a1q`` (M, K); Batched: (E, cap, K) with
+    """What prepare hands to the experts. Standard: ``a1q`` (M', K); Batched: (E, cap, K) with
     ``expert_num_tokens`` (E,) int32 and ``dispatch_rows`` (M, topk) int32 (row of each slot in
-    the batch view (E*cap, K), -1 if dropped or remote). Scales are None when unquantized."""
+    the batch view (E*cap, K), -1 if dropped or remote). Scales are None when unquantized.
+    ``topk_ids``/``topk_weights`` (M', topk): the dispatched routing when prepare gathered tokens
+    from other ranks (M' != M); None means the caller's."""
 
     a1q: torch.Tensor
     a1q_scale: torch.Tensor | None = None
@@ -109,6 +111,11 @@ class FusedMoEPrepareAndFinalize(ABC):
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return None
+
+    def num_dispatched_tokens(self, num_tokens: int) -> int:
+        """Tokens the experts see for ``num_tokens`` local ones (more when prepare gathers from
+        other ranks): sizes the workspaces."""
+        return num_tokens
 
     def max_num_tokens_per_rank(self) -> int | None:
         return None

@@ -102,21 +102,25 @@ class FusedMoEModularKernel(nn.Module):
         if m == 0:
             return output
         chunk = min(m, self.chunk_size) if experts.supports_chunking() else m
-        ws13_shape, ws2_shape, _ = experts.workspace_shapes(hidden_states, chunk, n, k, topk, num_experts, e_local)
+        ws13_shape, ws2_shape, _ = experts.workspace_shapes(hidden_states, pf.num_dispatched_tokens(chunk), n, k,
+                                                            topk, num_experts, e_local)
         workspace13 = torch.empty(math.prod(ws13_shape), dtype=hidden_states.dtype, device=hidden_states.device)
         workspace2 = torch.empty(math.prod(ws2_shape), dtype=hidden_states.dtype, device=hidden_states.device)
         qc = experts.quant_config
         for start in range(0, m, chunk):
             end = min(m, start + chunk)
             x, ids, weights = hidden_states[start:end], topk_ids[start:end], topk_weights[start:end]
-            s13, s2, s_out = experts.workspace_shapes(x, end - start, n, k, topk, num_experts, e_local)
+            s13, s2, s_out = experts.workspace_shapes(x, pf.num_dispatched_tokens(end - start), n, k, topk,
+                                                      num_experts, e_local)
             ws13 = workspace13[: math.prod(s13)].view(s13)
             ws2 = workspace2[: math.prod(s2)].view(s2)
             fused_out = ws13.view(s_out)
             prepared = pf.prepare(x, weights, ids, num_experts, expert_map, apply_router_weight_on_input, qc, a1_scale)
-            experts.apply(fused_out, prepared.a1q, w1, w2, weights, ids, activation, num_experts, expert_map,
-                          w1_scale, w2_scale, prepared.a1q_scale, a2_scale, ws13, ws2, prepared.expert_num_tokens,
-                          apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias)
+            expert_ids = prepared.topk_ids if prepared.topk_ids is not None else ids
+            expert_weights = prepared.topk_weights if prepared.topk_weights is not None else weights
+            experts.apply(fused_out, prepared.a1q, w1, w2, expert_weights, expert_ids, activation, num_experts,
+                          expert_map, w1_scale, w2_scale, prepared.a1q_scale, a2_scale, ws13, ws2,
+                          prepared.expert_num_tokens, apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias)
             pf.finalize(output[start:end], fused_out, weights, ids, apply_router_weight_on_input,
                         num_experts=num_experts, expert_map=expert_map, prepared=prepared)
         return output

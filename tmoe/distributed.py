@@ -1,0 +1,73 @@
+"""Expert parallelism over ``torch.distributed`` (NCCL on GPUs, gloo on CPU).
+
+``AllGatherPrepareAndFinalize``: every rank all-gathers the tokens and routing of all ranks,
+runs its local experts on them (``expert_map`` marks the others remote, so their slots
+contribute exactly zero), and the partial outputs are summed back to the ranks that own the
+tokens (reduce-scatter). Every rank passes the same number of tokens (pad to a common count);
+shapes stay static, so with NCCL the collectives capture in CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tmoe.kernels.reduce import moe_reduce
+from tmoe.modular import FusedMoEActivationFormat, FusedMoEPrepareAndFinalize, PrepareResult
+from tmoe.quantize import quantize_activations
+
+
+def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+    """(world * n, ...) = the ranks' (n, ...) tensors stacked in rank order."""
+    world = dist.get_world_size(group)
+    out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    if dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    else:  # gloo has no all_gather_into_tensor
+        dist.all_gather(list(out.chunk(world)), t.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor, group) -> None:
+    """``out`` (n, ...) = this rank's slice of the sum over ranks of ``full`` (world * n, ...)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) == "nccl":
+        part = torch.empty_like(full[: full.shape[0] // world])
+        dist.reduce_scatter_tensor(part, full, group=group)
+    else:  # gloo has no reduce_scatter_tensor: all-reduce, then keep this rank's slice
+        dist.all_reduce(full, group=group)
+        part = full.chunk(world)[rank]
+    out.copy_(part)
+
+
+class AllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalize):
+    """Standard-format expert parallelism: all-gather dispatch, reduce-scatter combine.
+
+    Use with ``TritonExperts`` and, in the layer call, ``global_num_experts`` plus an
+    ``expert_map`` giving this rank's local ids (-1 for experts on other ranks). Partial sums
+    are combined in float32.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+
+    @property
+    def activation_format(self) -> FusedMoEActivationFormat:
+        return FusedMoEActivationFormat.Standard
+
+    def num_dispatched_tokens(self, num_tokens: int) -> int:
+        return num_tokens * dist.get_world_size(self.group)
+
+    def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
+                quant_config, a1_scale=None) -> PrepareResult:
+        x = _all_gather(a1, self.group)
+        a1q, scale = quantize_activations(x, quant_config, a1_scale)
+        return PrepareResult(a1q, scale, topk_ids=_all_gather(topk_ids, self.group),
+                             topk_weights=_all_gather(topk_weights, self.group))
+
+    def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
+                 num_experts, expert_map, prepared) -> None:
+        weights = None if apply_router_weight_on_input else prepared.topk_weights
+        partial = torch.empty((fused_expert_output.shape[0], output.shape[1]), dtype=torch.float32,
+                              device=output.device)
+        moe_reduce(fused_expert_output, prepared.topk_ids, num_experts, weights, expert_map, out=partial)
+        _reduce_scatter_sum(output, partial, self.group)
