@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from tmoe.testing import patch_interpreter  # noqa: E402
+from tmoe.testing import patch_interpreter, poison  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     # The Triton 3.6 interpreter mis-rounds float casts and multiplies raw bf16 bits in
@@ -37,14 +37,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _seed_and_poison(monkeypatch):
-    """Seed torch; make torch.empty/empty_like return NaN-filled (or max-int) memory."""
+    """Seed torch; make torch.empty/empty_like return poisoned memory (NaN, or the largest int)."""
     torch.manual_seed(0)
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def fill(t):
         with torch.no_grad():
-            t.fill_(float("nan") if t.dtype.is_floating_point else (-7 if t.is_signed() else 7))
-        return t
+            return poison(t)
 
     def empty(*args, **kwargs):
         return fill(real_empty(*args, **kwargs))

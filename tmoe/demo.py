@@ -60,7 +60,7 @@ def run_demo() -> None:
     reps = 20 if gpu else 3
     print(f"tmoe demo on {torch.cuda.get_device_name() if gpu else 'CPU (Triton interpreter)'}: "
           f"E={e} N={n} K={k} topk={topk} M={m} {str(dtype).removeprefix('torch.')}")
-    print(f"| mode | rel. error vs fp32 reference | median time (ms) |\n|---|---|---|")
+    print("| mode | rel. error vs fp32 reference | median time (ms) |\n|---|---|---|")
     for name, fn in modes.items():
         out = fn().clone()
         print(f"| {name} | {rel_error(out, ref):.2e} | {_time_ms(fn, reps):.3f} |", flush=True)

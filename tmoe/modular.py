@@ -14,12 +14,12 @@ import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from tmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import ACTIVATIONS
+if TYPE_CHECKING:
+    from tmoe.modular_kernel import FusedMoEModularKernel
 
 
 class FusedMoEActivationFormat(Enum):
@@ -157,7 +157,7 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
         per-expert biases (GPT-OSS)."""
 
 
-_KERNELS: "weakref.WeakValueDictionary[int, FusedMoEModularKernel]" = weakref.WeakValueDictionary()
+_KERNELS: weakref.WeakValueDictionary[int, FusedMoEModularKernel] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
 
@@ -165,5 +165,5 @@ def default_chunk_size() -> int:
     return int(os.environ.get("TMOE_CHUNK_SIZE", "32768"))
 
 
-def kernel_for_handle(handle: int) -> "FusedMoEModularKernel":
+def kernel_for_handle(handle: int) -> FusedMoEModularKernel:
     return _KERNELS[handle]

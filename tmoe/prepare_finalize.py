@@ -1,7 +1,6 @@
 """PrepareAndFinalize implementations: single device (Standard) and fixed-capacity batches."""
 from __future__ import annotations
 
-import torch
 
 from tmoe.kernels.dispatch import batched_dispatch
 from tmoe.kernels.reduce import moe_reduce
