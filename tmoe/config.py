@@ -78,11 +78,7 @@ def config_file_name(e: int, n: int, device_name: str, dtype: str | None) -> str
     return name + (f",dtype={dtype}.json" if dtype else ".json")
 
 
-def _config_dirs() -> list[Path]:
-    dirs = [Path(__file__).parent / "configs"]
-    if os.environ.get("TMOE_CONFIG_DIR"):
-        dirs.insert(0, Path(os.environ["TMOE_CONFIG_DIR"]))
-    return dirs
+_SHIPPED_CONFIGS = Path(__file__).parent / "configs"
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,10 +112,25 @@ def override_config(config: MoEConfig) -> Iterator[None]:
         _OVERRIDE.pop()
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
+    return _cuda_device_name(device.index) if device.type == "cuda" else "cpu"
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str | None, block_k_cap: int | None,
+            config_dir: str | None) -> MoEConfig:
+    dirs = (Path(config_dir), _SHIPPED_CONFIGS) if config_dir else (_SHIPPED_CONFIGS,)
+    table = _load_table(config_file_name(e, n, device, quant), dirs)
+    if table:
+        cfg = table[min(table, key=lambda tm: abs(tm - m))]
+        if block_k_cap is None or (cfg.up.block_k <= block_k_cap and cfg.down.block_k <= block_k_cap):
+            return cfg
+    return _heuristic(m, e, n, k, topk, block_k_cap)
 
 
 def get_config(
@@ -128,15 +139,10 @@ def get_config(
 ) -> MoEConfig:
     """The tile config for a layer of ``e`` experts, ``w1 (e, 2n, k)``, at ``m`` tokens.
 
-    Order: ``override_config`` > tuned table (nearest M) > heuristic. ``quant`` names the
-    table's dtype suffix (``fp8_w8a8``); ``block_k_cap`` caps block_k (block-quant groups).
+    Order: ``override_config`` > tuned table (nearest M; ``TMOE_CONFIG_DIR`` first, then the
+    shipped tables) > heuristic. ``quant`` names the table's dtype suffix (``fp8_w8a8``);
+    ``block_k_cap`` caps block_k (block-quant groups). Lookups are cached per key.
     """
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    table = _load_table(config_file_name(e, n, device_name(device), quant), tuple(_config_dirs()))
-    if table:
-        nearest = min(table, key=lambda tm: abs(tm - m))
-        cfg = table[nearest]
-        if block_k_cap is None or (cfg.up.block_k <= block_k_cap and cfg.down.block_k <= block_k_cap):
-            return cfg
-    return _heuristic(m, e, n, k, topk, block_k_cap)
+    return _lookup(m, e, n, k, topk, device_name(device), quant, block_k_cap, os.environ.get("TMOE_CONFIG_DIR"))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
 
 from tmoe.checks import FLOAT_DTYPES, check_tensor
+from tmoe.kernels.common import cdiv
 from tmoe.kernels.quant import FP8_DTYPE, FP8_MAX
 
 
@@ -45,7 +45,7 @@ def quantize_weight_per_block_fp8(
     if bn < 1 or bk < 1:
         raise ValueError(f"block_shape must be positive, got {block_shape}")
     e, n, k = wf.shape
-    nb, kb = triton.cdiv(n, bn), triton.cdiv(k, bk)
+    nb, kb = cdiv(n, bn), cdiv(k, bk)
     blocks = F.pad(wf, (0, kb * bk - k, 0, nb * bn - n)).view(e, nb, bn, kb, bk)
     scale = _scale(blocks.abs().amax(dim=(2, 4)), eps)  # [E, nb, kb]
     q = _cast(blocks, scale[:, :, None, :, None]).view(e, nb * bn, kb * bk)

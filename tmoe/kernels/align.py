@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from tmoe.checks import INDEX_DTYPES, check_tensor
+from tmoe.kernels.common import cdiv, next_power_of_2
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
@@ -150,7 +151,7 @@ def align_output_sizes(numel: int, block_size: int, num_experts: int) -> tuple[i
     max_padded = numel + num_experts * (block_size - 1)
     if numel < num_experts:
         max_padded = min(max_padded, numel * block_size)
-    return max_padded, triton.cdiv(max_padded, block_size)
+    return max_padded, cdiv(max_padded, block_size)
 
 
 def moe_align_block_size(
@@ -195,13 +196,13 @@ def moe_align_block_size(
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_post_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    e_pad = max(16, triton.next_power_of_2(num_experts))
+    e_pad = max(16, next_power_of_2(num_experts))
     meta = dict(E_PAD=e_pad, HAS_MAP=expert_map is not None, HAS_OFFSETS=expert_offsets is not None, TILE=64,
                 BLOCK_SIZE=block_size)
     emap = expert_map if expert_map is not None else num_post_padded
     offsets = expert_offsets if expert_offsets is not None else num_post_padded
     sub = max(16, SUB_TILE_ELEMENTS // e_pad)
-    chunk = min(MAX_CHUNK, sub * SUBS_PER_CHUNK, max(16, triton.next_power_of_2(numel)))
+    chunk = min(MAX_CHUNK, sub * SUBS_PER_CHUNK, max(16, next_power_of_2(numel)))
     sub = min(sub, chunk)
     if numel <= chunk:
         _align_single_kernel[(1,)](
@@ -209,7 +210,7 @@ def moe_align_block_size(
             num_blocks, CHUNK=chunk, SUB=sub, **meta,
         )
         return sorted_ids, expert_ids, num_post_padded
-    num_chunks = triton.cdiv(numel, chunk)
+    num_chunks = cdiv(numel, chunk)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
     _align_count_kernel[(num_chunks,)](topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad)
     _align_scan_kernel[(1,)](

@@ -90,3 +90,13 @@ def moe_tile_matmul(
         b_s = tl.load(b_scale_ptrs, mask=mask_n, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
     return acc
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b); ``triton.cdiv`` is a constexpr function, slow to call from Python."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Host-side smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -11,6 +11,7 @@ import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.kernels.align import moe_align_block_size
+from tmoe.kernels.common import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -105,7 +106,7 @@ def batched_dispatch(
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
     sorted_ids, _, _ = moe_align_block_size(topk_ids, 1, num_experts, expert_offsets=offsets)
     block_r = 16
-    grid = (num_experts, max(1, min(triton.cdiv(capacity, block_r), 64)))
+    grid = (num_experts, max(1, min(cdiv(capacity, block_r), 64)))
     scale_ref = x_scale if x_scale is not None else x
     out_scale_ref = out_scale if out_scale is not None else out
     _batched_dispatch_kernel[grid](
@@ -114,7 +115,7 @@ def batched_dispatch(
         K=k, S=s, topk=topk_ids.shape[1], capacity=capacity,
         stride_xm=x.stride(0), stride_sm=scale_ref.stride(0), stride_oe=out.stride(0), stride_om=out.stride(1),
         stride_ose=out_scale_ref.stride(0), stride_osm=out_scale_ref.stride(1),
-        BLOCK_R=block_r, BLOCK_K=min(256, triton.next_power_of_2(max(k, 16))),
-        BLOCK_S=triton.next_power_of_2(max(s, 1)), HAS_MAP=expert_map is not None, HAS_SCALE=x_scale is not None,
+        BLOCK_R=block_r, BLOCK_K=min(256, next_power_of_2(max(k, 16))),
+        BLOCK_S=next_power_of_2(max(s, 1)), HAS_MAP=expert_map is not None, HAS_SCALE=x_scale is not None,
     )
     return out, out_scale, expert_num_tokens, dispatch_rows

@@ -8,16 +8,15 @@ All row and expert offsets are int64.
 """
 from __future__ import annotations
 
-import triton
-import triton.language as tl
-
 from dataclasses import dataclass, replace
 
 import torch
+import triton
+import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
 from tmoe.config import GemmConfig
-from tmoe.kernels.common import act_and_mul, moe_tile_matmul, tile_ids
+from tmoe.kernels.common import act_and_mul, cdiv, moe_tile_matmul, tile_ids
 
 
 @triton.jit
@@ -146,8 +145,8 @@ def _scale_args(scales: Scales | None, a: torch.Tensor, w: torch.Tensor, config:
         gn, gk = scales.block_shape
         if gk % config.block_k:
             raise ValueError(f"block_shape[1]={gk} must be a multiple of block_k={config.block_k}")
-        want_a = (*a.shape[:-1], triton.cdiv(k, gk))
-        want_w = (e, triton.cdiv(n_w, gn), triton.cdiv(k, gk))
+        want_a = (*a.shape[:-1], cdiv(k, gk))
+        want_w = (e, cdiv(n_w, gn), cdiv(k, gk))
         if tuple(a_s.shape) != want_a:
             raise ValueError(f"a_scale must have shape {want_a} for block quantization, got {tuple(a_s.shape)}")
         if tuple(w_s.shape) != want_w:
@@ -215,7 +214,7 @@ def invoke_moe_gemm(
     batched = routing is None
     if batched:
         cap = a.shape[1]
-        blocks_per_expert = triton.cdiv(cap, config.block_m)
+        blocks_per_expert = cdiv(cap, config.block_m)
         num_pid_m = w.shape[0] * blocks_per_expert
         dummy_i32 = expert_num_tokens
         route = dict(sorted_ids_ptr=dummy_i32, expert_ids_ptr=dummy_i32, num_post_padded_ptr=dummy_i32,
@@ -231,7 +230,7 @@ def invoke_moe_gemm(
     if num_pid_m == 0 or n == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), gated)
-    grid = (num_pid_m * triton.cdiv(n, config.block_n),)
+    grid = (num_pid_m * cdiv(n, config.block_n),)
     _moe_gemm_kernel[grid](
         a, w, out, topk_weights_ptr=topk_weights if topk_weights is not None else w,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,

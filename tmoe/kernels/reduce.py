@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
+from tmoe.kernels.common import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -95,9 +96,9 @@ def moe_reduce(
         check_shape("out", out, (m, k))
     if m == 0 or k == 0:
         return out
-    block_k = min(1024, triton.next_power_of_2(k))
+    block_k = min(1024, next_power_of_2(k))
     weights = topk_weights if topk_weights is not None else y
-    _moe_reduce_kernel[(m, triton.cdiv(k, block_k))](
+    _moe_reduce_kernel[(m, cdiv(k, block_k))](
         y, weights, topk_ids, expert_map if expert_map is not None else topk_ids,
         rows if rows is not None else topk_ids, out, K=k, num_experts=num_experts,
         stride_ym=y.stride(0) if rows is None else 0, stride_yt=y.stride(-2), stride_yk=y.stride(-1),

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
-from tmoe.kernels.common import _sigmoid
+from tmoe.kernels.common import _sigmoid, cdiv, next_power_of_2
 
 MAX_EXPERTS = 512
 SCORINGS = ("softmax", "sigmoid")
@@ -161,12 +161,12 @@ def topk_route(
     topk_ids = torch.empty((m, topk), dtype=torch.int32, device=dev)
     if m == 0:
         return topk_weights, topk_ids
-    e_pad = max(16, triton.next_power_of_2(e))
+    e_pad = max(16, next_power_of_2(e))
     block_m = max(1, min(32, 4096 // e_pad))
-    _topk_route_kernel[(triton.cdiv(m, block_m),)](
+    _topk_route_kernel[(cdiv(m, block_m),)](
         router_logits, bias if bias is not None else router_logits, topk_weights, topk_ids,
         M=m, E=e, stride_lm=router_logits.stride(0), scaling=float(routed_scaling_factor),
-        TOPK=topk, TOPK_PAD=triton.next_power_of_2(topk), BLOCK_M=block_m, E_PAD=e_pad,
+        TOPK=topk, TOPK_PAD=next_power_of_2(topk), BLOCK_M=block_m, E_PAD=e_pad,
         SCORING=scoring, RENORMALIZE=bool(renormalize), HAS_BIAS=bias is not None,
         NUM_GROUPS=num_groups, GROUP_SIZE=group_size, TOPK_GROUP=groups_kept,
         num_warps=4,
