@@ -86,7 +86,7 @@ def _padded_runs(totals, BLOCK_SIZE: tl.constexpr):
     return ends - padded, ends
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['numel', 'max_padded', 'num_blocks'])
 def _align_single_kernel(
     topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
     numel, num_experts, max_padded, num_blocks,
@@ -101,14 +101,14 @@ def _align_single_kernel(
     _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, 0, starts, numel, num_experts, CHUNK, SUB, E_PAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['numel'])
 def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     counts = _chunk_counts(topk_ids_ptr, pid * CHUNK, numel, num_experts, CHUNK, E_PAD)
     tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_chunks', 'numel', 'max_padded', 'num_blocks'])
 def _align_scan_kernel(
     counts_ptr,  # [num_chunks, E_PAD] int32: in, per-chunk counts; out, per-chunk base positions
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
@@ -136,7 +136,7 @@ def _align_scan_kernel(
                   TILE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['numel'])
 def _align_scatter_kernel(
     topk_ids_ptr, sorted_ids_ptr, base_ptr, numel, num_experts,
     CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,

@@ -19,7 +19,7 @@ from tmoe.config import GemmConfig
 from tmoe.kernels.common import act_and_mul, cdiv, moe_tile_matmul, tile_ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_gemm_kernel(
     a_ptr,  # Standard: [rows, K]; Batched: [E, cap, K]
     w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) when GATED, else N

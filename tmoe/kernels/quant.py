@@ -51,7 +51,7 @@ def _to_fp8(x, scale, FP8_MAX: tl.constexpr):
     return tl.where(q != q, q, tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_sg'])
 def _per_token_group_quant_fp8_kernel(
     x_ptr,  # [rows, K] float, unit stride along K
     q_ptr,  # [rows, K] float8_e4m3fn, unit stride along K

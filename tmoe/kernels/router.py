@@ -23,7 +23,7 @@ MAX_EXPERTS = 512
 SCORINGS = ("softmax", "sigmoid")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['M'])
 def _topk_route_kernel(
     logits_ptr,  # [M, E] float16/bfloat16/float32, last dim contiguous
     bias_ptr,  # [E] float32, HAS_BIAS only
