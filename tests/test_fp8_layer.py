@@ -46,7 +46,8 @@ def quantize_weights(w: torch.Tensor, scheme: Scheme) -> tuple[torch.Tensor, tor
     return q, s, q.float() * s
 
 
-def run_scheme(p, scheme: Scheme):
+def run_scheme(p, scheme: Scheme, kernel: tmoe.FusedMoEModularKernel | None = None):
+    """(layer output, float32 reference on dequantized weights); ``kernel`` None: tmoe.fused_experts."""
     w1q, s1, w1d = quantize_weights(p.w1, scheme)
     w2q, s2, w2d = quantize_weights(p.w2, scheme)
     static = {}
@@ -56,8 +57,11 @@ def run_scheme(p, scheme: Scheme):
         inter = act_and_mul_reference(h[..., :n], h[..., n:], "silu")
         absmax = lambda t: torch.cat([t.abs().flatten(), torch.full((1,), 1e-3, device=DEVICE)]).max()  # noqa: E731
         static = dict(a1_scale=(absmax(p.x.float()) / 448).reshape(1), a2_scale=(absmax(inter) / 448).reshape(1))
-    out = tmoe.fused_experts(p.x, w1q, w2q, p.topk_weights, p.topk_ids, quant_config=scheme.config,
-                             w1_scale=s1, w2_scale=s2, **static)
+    if kernel is None:
+        out = tmoe.fused_experts(p.x, w1q, w2q, p.topk_weights, p.topk_ids, quant_config=scheme.config,
+                                 w1_scale=s1, w2_scale=s2, **static)
+    else:
+        out = kernel(p.x, w1q, w2q, p.topk_weights, p.topk_ids, w1_scale=s1, w2_scale=s2, **static)
     return out, moe_reference(p.x, w1d, w2d, p.topk_weights, p.topk_ids)
 
 
@@ -109,3 +113,14 @@ def test_fp8_batched_format_and_compile():
     eager = tmoe.fused_experts(p.x, w1q, w2q, p.topk_weights, p.topk_ids, quant_config=scheme.config,
                                w1_scale=s1, w2_scale=s2)
     assert rel_error(compiled(p.x, w1q, w2q, p.topk_weights, p.topk_ids), eager) == 0.0
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_fp8_batched_single_token(scheme):
+    """Batched format, M=1, K=128: dynamic scales have one element but are still per token (or
+    per group) and must travel with their rows; a static scale applies to every batch."""
+    p = make_problem(MoEShape(1, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=9, device=DEVICE)
+    kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(2, 4),
+                                        tmoe.BatchedTritonExperts(2, scheme.config))
+    out, ref = run_scheme(p, scheme, kernel)
+    assert_close(out, ref, "fp8")

@@ -51,12 +51,14 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         if apply_router_weight_on_input:
             raise ValueError("apply_router_weight_on_input is not supported by BatchedPrepareAndFinalize")
         a1q, scale = quantize_activations(a1, quant_config, a1_scale)
-        per_token_scale = scale if scale is not None and scale.numel() != 1 else None
+        # dynamic scales belong to rows (per token or per group) and travel with them, even when
+        # there is one token; a static per-tensor scale applies to every batch as it is
+        row_scale = scale if scale is not None and a1_scale is None else None
         batches, batch_scale, expert_num_tokens, rows = batched_dispatch(
             a1q, topk_ids, num_experts, self.num_local_experts, self.max_num_tokens,
-            x_scale=per_token_scale, expert_map=expert_map,
+            x_scale=row_scale, expert_map=expert_map,
         )
-        return PrepareResult(batches, batch_scale if per_token_scale is not None else scale, expert_num_tokens, rows)
+        return PrepareResult(batches, batch_scale if row_scale is not None else scale, expert_num_tokens, rows)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
                  num_experts, expert_map, prepared) -> None:
