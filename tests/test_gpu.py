@@ -41,6 +41,23 @@ def test_model_shapes_bf16(model):
         assert err < 1e-2, f"{model} M={m}: relative error {err:.2e}"
 
 
+def _check_replays(run, x, weights, ids, e, topk, trials, reference=None):
+    """Capture ``run`` once; per trial copy fresh hidden states and routing into the same buffers,
+    replay, and assert the graph's output equals an eager call bit for bit (and ``reference()``
+    within bf16 tolerance, when given)."""
+    graph, out = capture_cuda_graph(run)
+    for trial in range(trials):
+        x.copy_(torch.randn_like(x))
+        new_weights, new_ids = _routing(x.shape[0], e, topk)
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run()), f"replay {trial} differs from eager"
+        if reference is not None:
+            assert_close(out, reference(), torch.bfloat16, name=f"replay {trial}")
+
+
 def _standard_kernel():
     return tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts())
 
@@ -58,17 +75,8 @@ def test_cuda_graph_replay_with_new_routing(m, fmt):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weights, ids = _routing(m, e, topk)
     kernel.warmup(m, w1, w2, topk)
-    graph, out = capture_cuda_graph(lambda: kernel(x, w1, w2, weights, ids))
-    for trial in range(3):
-        x.copy_(torch.randn_like(x))
-        new_weights, new_ids = _routing(m, e, topk)
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = kernel(x, w1, w2, weights, ids)
-        assert torch.equal(out, eager), f"replay {trial} differs from eager"
-        assert_close(out, moe_reference(x, w1, w2, weights, ids), torch.bfloat16)
+    _check_replays(lambda: kernel(x, w1, w2, weights, ids), x, weights, ids, e, topk, trials=3,
+                   reference=lambda: moe_reference(x, w1, w2, weights, ids))
 
 
 def test_compile_reduce_overhead_uses_cudagraphs():
@@ -174,12 +182,4 @@ def test_fp8_cuda_graph_replay():
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weights, ids = _routing(m, e, topk)
     run = lambda: tmoe.fused_experts(x, w1q, w2q, weights, ids, quant_config=config, w1_scale=s1, w2_scale=s2)  # noqa: E731
-    graph, out = capture_cuda_graph(run)
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        new_weights, new_ids = _routing(m, e, topk)
-        weights.copy_(new_weights)
-        ids.copy_(new_ids)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, run())
+    _check_replays(run, x, weights, ids, e, topk, trials=2)

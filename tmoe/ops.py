@@ -3,6 +3,8 @@ touches ``torch.library``. Implementations call the stage launchers; fakes check
 ``torch._check`` and return tensors sized from static shapes only."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tmoe.config import get_config
@@ -50,10 +52,7 @@ def _gemm(
     n = w.shape[1] // 2 if gated else w.shape[1]
     cfg = get_config(a.shape[0], w.shape[0], n, w.shape[2], a_row_div, a.device,
                      block_k_cap=block_shape[1] if block_shape else None)
-    gemm_cfg = cfg.up if gated else cfg.down
-    if gemm_cfg.block_m != block_m:
-        gemm_cfg = type(gemm_cfg)(block_m, gemm_cfg.block_n, gemm_cfg.block_k, gemm_cfg.group_m,
-                                  gemm_cfg.num_warps, gemm_cfg.num_stages)
+    gemm_cfg = replace(cfg.up if gated else cfg.down, block_m=block_m)  # block_m: the align's block size
     out = torch.empty((num_slots, n), dtype=out_dtype or a.dtype, device=a.device)
     routing = Routing(sorted_token_ids, expert_ids, num_tokens_post_padded, num_slots, a_row_div)
     weights = topk_weights.reshape(-1) if topk_weights is not None else None
