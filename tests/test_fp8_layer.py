@@ -124,3 +124,17 @@ def test_fp8_batched_single_token(scheme):
                                         tmoe.BatchedTritonExperts(2, scheme.config))
     out, ref = run_scheme(p, scheme, kernel)
     assert_close(out, ref, "fp8")
+
+
+def test_fp8_bad_input_raises_before_launch():
+    p = make_problem(MoEShape(4, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=1, device=DEVICE)
+    w1q, s1, _ = quantize_weights(p.w1, SCHEMES[2])
+    w2q, s2, _ = quantize_weights(p.w2, SCHEMES[2])
+    args = (p.x, w1q, w2q, p.topk_weights, p.topk_ids)
+    with pytest.raises(TypeError, match="w1 .*quant_config"):
+        tmoe.fused_experts(*args, w1_scale=s1, w2_scale=s2)  # fp8 weights, no quant config
+    with pytest.raises(ValueError, match="w2_scale"):
+        tmoe.fused_experts(*args, quant_config=SCHEMES[2].config, w1_scale=s1)
+    with pytest.raises(TypeError, match="w1 .*quant config"):
+        tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, quant_config=SCHEMES[2].config,
+                           w1_scale=s1, w2_scale=s2)  # bf16 weights under an fp8 config

@@ -14,12 +14,20 @@ from tmoe.modular import (
 
 
 def check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
-                     apply_router_weight_on_input, w1_bias=None, w2_bias=None) -> None:
-    """Shape/dtype/device checks of a layer call; raises before any launch."""
+                     apply_router_weight_on_input, w1_bias=None, w2_bias=None, quant_dtype=None, w1_scale=None,
+                     w2_scale=None) -> None:
+    """Shape/dtype/device checks of a layer call; raises before any launch. ``quant_dtype`` is the
+    experts' (None: w1/w2 must have hidden_states' dtype; fp8: w1/w2 fp8 with their scales)."""
     check_tensor("hidden_states", hidden_states, dtypes=FLOAT_DTYPES, ndim=2)
     dev = hidden_states.device
-    check_tensor("w1", w1, ndim=3, device=dev)
-    check_tensor("w2", w2, ndim=3, device=dev)
+    weight_dtype = quant_dtype or hidden_states.dtype
+    why = "the quant config's dtype" if quant_dtype else "hidden_states' dtype; pass a quant_config for fp8 weights"
+    for name, w, scale_name, scale in (("w1", w1, "w1_scale", w1_scale), ("w2", w2, "w2_scale", w2_scale)):
+        check_tensor(name, w, ndim=3, device=dev)
+        if w.dtype != weight_dtype:
+            raise TypeError(f"{name} has dtype {w.dtype}, expected {weight_dtype} ({why})")
+        if quant_dtype is not None and scale is None:
+            raise ValueError(f"fp8 experts need {scale_name}")
     m, k = hidden_states.shape
     e, two_n, k1 = w1.shape
     if two_n % 2:
@@ -90,9 +98,10 @@ class FusedMoEModularKernel(nn.Module):
             expert_map=None, w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None,
             apply_router_weight_on_input=False, w1_bias=None, w2_bias=None) -> torch.Tensor:
         """The eager body: writes the layer output into ``output`` (M, K) and returns it."""
-        check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
-                         apply_router_weight_on_input, w1_bias, w2_bias)
         experts, pf = self.fused_experts, self.prepare_finalize
+        check_moe_inputs(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+                         apply_router_weight_on_input, w1_bias, w2_bias, experts.quant_config.quant_dtype, w1_scale,
+                         w2_scale)
         if expert_map is not None and not experts.supports_expert_map():
             raise ValueError(f"{type(experts).__name__} does not support expert_map")
         m, k = hidden_states.shape

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from tmoe.kernels.quant import per_token_group_quant_fp8, per_token_quant_fp8, static_quant_fp8
 from tmoe.modular import FusedMoEQuantConfig
 
 
@@ -18,8 +19,6 @@ def quantize_activations(
     scheme = quant_config.scheme
     if scheme == "none":
         return x, None
-    from tmoe.kernels.quant import per_token_group_quant_fp8, per_token_quant_fp8, static_quant_fp8
-
     if scheme == "block":
         if static_scale is not None:
             raise ValueError("static activation scales are not supported with block quantization")
