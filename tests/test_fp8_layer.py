@@ -138,3 +138,53 @@ def test_fp8_bad_input_raises_before_launch():
     with pytest.raises(TypeError, match="w1 .*quant config"):
         tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, quant_config=SCHEMES[2].config,
                            w1_scale=s1, w2_scale=s2)  # bf16 weights under an fp8 config
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["standard", "batched"])
+def test_epilogue_quant_equals_group_quant_of_float32_intermediate(batched):
+    """The up GEMM's fused 1 x 128 quantization writes exactly the codes and scales that
+    ``per_token_group_quant_fp8`` gives for the same GEMM's float32 intermediate (bit for bit:
+    same accumulator, same rounding); unwritten elements stay NaN-poisoned and fail."""
+    from tmoe.config import GemmConfig
+    from tmoe.kernels.moe_gemm import Routing, Scales, invoke_moe_gemm
+    from tmoe.testing import poison
+
+    block = SCHEMES[3].config.block_shape
+    p = make_problem(MoEShape(11, 4, 256, 256, 2), torch.bfloat16, "skewed", seed=12, device=DEVICE)
+    w1q, s1, _ = quantize_weights(p.w1, SCHEMES[3])
+    cfg = GemmConfig(16, 128, 128)
+    n = p.w1.shape[1] // 2
+    if batched:
+        cap = 11 * 2
+        x = torch.randn(4, cap, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+        counts = torch.tensor([22, 0, 7, 13], dtype=torch.int32, device=DEVICE)
+        xq, xs = tmoe.per_token_group_quant_fp8(x, block[1])
+        rows, where = (4, cap), dict(expert_num_tokens=counts)
+        valid = torch.arange(cap, device=DEVICE)[None, :] < counts[:, None]  # [E, cap]
+    else:
+        xq, xs = tmoe.per_token_group_quant_fp8(p.x, block[1])
+        sorted_ids, expert_ids, ntpp = tmoe.moe_align_block_size(p.topk_ids, cfg.block_m, 4)
+        rows, where = (11 * 2,), dict(routing=Routing(sorted_ids, expert_ids, ntpp, 22, 2))
+        valid = torch.ones(22, dtype=torch.bool, device=DEVICE)
+    scales = Scales(xs, s1, block)
+    inter32 = poison(torch.empty(*rows, n, device=DEVICE))
+    invoke_moe_gemm(xq, w1q, inter32, cfg, gated=True, scales=scales, **where)
+    want_q, want_s = tmoe.per_token_group_quant_fp8(inter32, block[1])
+    q = torch.empty(*rows, n, dtype=FP8, device=DEVICE)
+    q.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
+    s = poison(torch.empty(*rows, n // block[1], device=DEVICE))
+    invoke_moe_gemm(xq, w1q, q, cfg, gated=True, scales=scales, out_scale=s, **where)
+    assert torch.equal(q.view(torch.uint8)[valid], want_q.view(torch.uint8)[valid])
+    assert torch.equal(s[valid], want_s[valid])
+
+
+def test_layer_with_and_without_epilogue_quant():
+    """Block fp8: block_n = 128 (fused intermediate quantization) and block_n = 64 (a separate
+    quant stage on the bf16 intermediate) both match the reference."""
+    from tmoe.config import GemmConfig, MoEConfig, override_config
+
+    p = make_problem(MoEShape(17, 4, 256, 256, 2), torch.bfloat16, "uniform", seed=13, device=DEVICE)
+    for up_bn in (128, 64):
+        with override_config(MoEConfig(GemmConfig(16, up_bn, 128), GemmConfig(16, 64, 128))):
+            out, ref = run_scheme(p, SCHEMES[3])
+        assert_close(out, ref, "fp8", name=f"up block_n={up_bn}")

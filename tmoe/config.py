@@ -65,8 +65,10 @@ def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | Non
     if block_k_cap is not None:
         # block scales: one K tile per scale group, and a narrower up tile, because the
         # per-tile rescale keeps a second [BM, 2BN] fp32 accumulator live (register spills)
+        # (decode tiles are small enough to take block_n = 128: the epilogue then quantizes the
+        # intermediate per 1 x 128 group and the bf16 intermediate is never written)
         bk, stages = min(128, block_k_cap), 3
-        up_bn = min(bn, 64)
+        up_bn = 128 if bm <= 32 else min(bn, 64)
     up = GemmConfig(bm, up_bn, bk, num_warps=warps, num_stages=stages)
     down = GemmConfig(bm, min(2 * bn, 128) if bm <= 32 else bn, bk, num_warps=warps, num_stages=stages)
     return MoEConfig(up, down)

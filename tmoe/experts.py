@@ -24,6 +24,31 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
             raise ValueError("fp8 experts need activation scales and w1_scale/w2_scale")
         return Scales(a_scale, w_scale, self.quant_config.block_shape)
 
+    def _fused_quant_group(self, n: int, up_block_n: int, a2_scale: torch.Tensor | None) -> int | None:
+        """The 1 x g group the up GEMM's epilogue quantizes the intermediate with, or None when
+        the intermediate is written in the activation dtype and quantized by a separate stage."""
+        qc = self.quant_config
+        if qc.scheme != "block" or a2_scale is not None:
+            return None
+        g = qc.block_shape[1]
+        return g if n % g == 0 and up_block_n % g == 0 else None
+
+    def _up(self, hidden_states, w1, shape: tuple[int, ...], workspace2, cfg, a1q_scale, w1_scale, a2_scale,
+            **gemm) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The up/gate GEMM into an intermediate of ``shape``; returns it quantized for the down
+        GEMM (fused into the epilogue when the tiles allow) and its scales."""
+        n = shape[-1]
+        scales = self._scales(a1q_scale, w1_scale)
+        group = self._fused_quant_group(n, cfg.up.block_n, a2_scale)
+        if group is not None:
+            inter = torch.empty(shape, dtype=self.quant_config.quant_dtype, device=hidden_states.device)
+            inter_scale = torch.empty((*shape[:-1], n // group), dtype=torch.float32, device=hidden_states.device)
+            invoke_moe_gemm(hidden_states, w1, inter, cfg.up, gated=True, scales=scales, out_scale=inter_scale, **gemm)
+            return inter, inter_scale
+        inter = workspace2.view(shape)
+        invoke_moe_gemm(hidden_states, w1, inter, cfg.up, gated=True, scales=scales, **gemm)
+        return quantize_activations(inter, self.quant_config, a2_scale)
+
     def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device):
         qc = self.quant_config
         return get_config(m, e, n, k, topk, device, quant="fp8_w8a8" if qc.quant_dtype is not None else None,
@@ -54,14 +79,12 @@ class TritonExperts(_TritonExpertsBase):
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
             topk_ids, cfg.block_m, global_num_experts, expert_map
         )
-        intermediate = workspace2.view(m * topk, n)
         weights = topk_weights.reshape(-1) if apply_router_weight_on_input else None
-        invoke_moe_gemm(
-            hidden_states, w1, intermediate, cfg.up, gated=True, activation=activation,
-            routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk),
-            topk_weights=weights, scales=self._scales(a1q_scale, w1_scale), bias=w1_bias,
+        a2q, a2q_scale = self._up(
+            hidden_states, w1, (m * topk, n), workspace2, cfg, a1q_scale, w1_scale, a2_scale, activation=activation,
+            routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk), topk_weights=weights,
+            bias=w1_bias,
         )
-        a2q, a2q_scale = quantize_activations(intermediate, self.quant_config, a2_scale)
         invoke_moe_gemm(
             a2q, w2, output.view(m * topk, k), cfg.down, gated=False,
             routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1),
@@ -91,9 +114,7 @@ class BatchedTritonExperts(_TritonExpertsBase):
         e, cap, k = hidden_states.shape
         n = w1.shape[1] // 2
         cfg = self._config(cap, e, n, k, 1, hidden_states.device)
-        intermediate = workspace2.view(e, cap, n)
-        invoke_moe_gemm(hidden_states, w1, intermediate, cfg.up, gated=True, activation=activation,
-                        expert_num_tokens=expert_num_tokens, scales=self._scales(a1q_scale, w1_scale), bias=w1_bias)
-        a2q, a2q_scale = quantize_activations(intermediate, self.quant_config, a2_scale)
+        a2q, a2q_scale = self._up(hidden_states, w1, (e, cap, n), workspace2, cfg, a1q_scale, w1_scale, a2_scale,
+                                  activation=activation, expert_num_tokens=expert_num_tokens, bias=w1_bias)
         invoke_moe_gemm(a2q, w2, output, cfg.down, gated=False, expert_num_tokens=expert_num_tokens,
                         scales=self._scales(a2q_scale, w2_scale), bias=w2_bias)

@@ -1,4 +1,4 @@
-"""Jit helpers shared by the stage kernels: activations, tile ordering, the MoE tile matmul."""
+"""Jit helpers shared by the stage kernels: activations, tile ordering, the MoE tile matmul, fp8 rounding."""
 import triton
 import triton.language as tl
 
@@ -90,6 +90,31 @@ def moe_tile_matmul(
         b_s = tl.load(b_scale_ptrs, mask=mask_n, other=0.0)
         acc = acc * a_s[:, None] * b_s[None, :]
     return acc
+
+
+@triton.jit
+def abs_no_nan(x):
+    """|x| with NaN -> 0, so a NaN element does not set its group's scale."""
+    return tl.where(x != x, 0.0, tl.abs(x))
+
+
+@triton.jit
+def fp8_scale(absmax, eps, FP8_MAX: tl.constexpr, USE_UE8M0: tl.constexpr):
+    """max(absmax, eps) / FP8_MAX (IEEE); USE_UE8M0: rounded up to a power of two on the exponent bits."""
+    absmax = tl.maximum(absmax, eps)
+    scale = tl.div_rn(absmax, tl.full(absmax.shape, FP8_MAX, tl.float32))
+    if USE_UE8M0:
+        bits = scale.to(tl.int32, bitcast=True)
+        carry = tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
+        scale = ((bits & 0x7F800000) + carry).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def to_fp8(x, scale, FP8_MAX: tl.constexpr):
+    """clamp(x / scale, ±FP8_MAX) in float32, x and scale of one shape; NaN stays NaN."""
+    q = tl.div_rn(x, scale)
+    return tl.where(q != q, q, tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -16,7 +16,9 @@ import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
 from tmoe.config import GemmConfig
-from tmoe.kernels.common import act_and_mul, cdiv, moe_tile_matmul, tile_ids
+from tmoe.kernels.common import abs_no_nan, act_and_mul, cdiv, fp8_scale, moe_tile_matmul, tile_ids, to_fp8
+
+FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
 
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
@@ -32,16 +34,18 @@ def _moe_gemm_kernel(
     expert_ids_ptr,  # [EM // BLOCK_M] int32, Standard only
     num_post_padded_ptr,  # [1] int32, Standard only
     expert_num_tokens_ptr,  # [E] int32, Batched only
+    out_scale_ptr,  # QUANT_OUT: [rows, cdiv(N, GROUP_OUT)] float32 (Batched: [E, cap, ...])
     N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert,
     stride_ae, stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_oe, stride_om, stride_on,
     stride_ase, stride_asm, stride_ask,
     stride_wse, stride_wsn, stride_wsk, stride_be,
+    stride_ose, stride_osm, stride_osg, quant_eps,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATED: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     BATCHED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -57,6 +61,7 @@ def _moe_gemm_kernel(
         a_rows = expert * stride_ae + rows * stride_am
         out_rows = expert * stride_oe + rows * stride_om
         scale_rows = expert * stride_ase + rows * stride_asm
+        out_scale_rows = expert * stride_ose + rows * stride_osm
     else:
         if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
             return
@@ -66,6 +71,7 @@ def _moe_gemm_kernel(
         a_rows = (slots // a_row_div) * stride_am
         out_rows = slots * stride_om
         scale_rows = (slots // a_row_div) * stride_asm
+        out_scale_rows = slots * stride_osm
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     mask_n = offs_n < N
     out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on  # [BM, BN]
@@ -101,6 +107,16 @@ def _moe_gemm_kernel(
             acc += bias[None, :]
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         acc = act_and_mul(gate, up, ACTIVATION)
+        if QUANT_OUT:  # fp8 codes and one scale per 1 x GROUP_OUT group, as per_token_group_quant_fp8
+            NUM_G: tl.constexpr = BLOCK_N // GROUP_OUT
+            acc = tl.where(mask_n[None, :], acc, 0.0)
+            groups = tl.reshape(acc, (BLOCK_M, NUM_G, GROUP_OUT))  # [BM, G, GROUP_OUT]
+            scale = fp8_scale(tl.max(abs_no_nan(groups), axis=2), quant_eps, FP8_MAX, False)  # [BM, G]
+            q = to_fp8(groups, tl.broadcast_to(scale[:, :, None], (BLOCK_M, NUM_G, GROUP_OUT)), FP8_MAX)
+            acc = tl.reshape(q, (BLOCK_M, BLOCK_N))
+            offs_g = pid_n.to(tl.int64) * NUM_G + tl.arange(0, NUM_G)  # [G]
+            scale_ptrs = out_scale_ptr + out_scale_rows[:, None] + offs_g[None, :] * stride_osg
+            tl.store(scale_ptrs, scale, mask=mask_m[:, None] & (offs_g * GROUP_OUT < N)[None, :])
     else:  # w * (h @ W2 + b2)
         if HAS_BIAS:
             acc += bias[None, :]
@@ -204,11 +220,17 @@ def invoke_moe_gemm(
     topk_weights: torch.Tensor | None = None,
     scales: Scales | None = None,
     bias: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+    quant_eps: float = 1e-10,
 ) -> torch.Tensor:
     """Launch one expert GEMM into ``out``; exactly one of ``routing`` (Standard) and
     ``expert_num_tokens`` (Batched) is given. ``topk_weights`` ([num_slots] float32) multiplies
     each slot's accumulator (Standard only); ``bias`` (E, N_w) is added per expert before the
-    activation (gated) or before the weight (down). Shapes were checked by the caller."""
+    activation (gated) or before the weight (down). ``out_scale`` (gated, fp8 ``out``): the epilogue
+    quantizes per 1 x g group, g = N_out // out_scale.shape[-1] (a divisor of ``config.block_n``),
+    writing the codes to ``out`` and the scales, max(absmax, quant_eps) / 448, to ``out_scale``
+    (rows, N_out / g), exactly as ``per_token_group_quant_fp8`` of the float32 intermediate.
+    Shapes were checked by the caller."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     batched = routing is None
@@ -230,11 +252,18 @@ def invoke_moe_gemm(
     if num_pid_m == 0 or n == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), gated)
+    if out_scale is not None:
+        group_out = fused_quant_group(n, out_scale.shape[-1], config, gated)
+        os_st = (out_scale.stride(0) if batched else 0, out_scale.stride(-2), out_scale.stride(-1))
+    else:
+        group_out, os_st = 1, (0, 0, 0)
     grid = (num_pid_m * cdiv(n, config.block_n),)
     _moe_gemm_kernel[grid](
         a, w, out, topk_weights_ptr=topk_weights if topk_weights is not None else w,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None,
+        out_scale_ptr=out_scale if out_scale is not None else w, stride_ose=os_st[0], stride_osm=os_st[1],
+        stride_osg=os_st[2], quant_eps=quant_eps, QUANT_OUT=out_scale is not None, GROUP_OUT=group_out,
         N=n, K=k, num_pid_m=num_pid_m, blocks_per_expert=blocks_per_expert,
         stride_am=a.stride(-2), stride_ak=a.stride(-1),
         stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
@@ -246,6 +275,16 @@ def invoke_moe_gemm(
         **route, **_scale_args(scales, a, w, config),
     )
     return out
+
+
+def fused_quant_group(n: int, num_groups: int, config: GemmConfig, gated: bool) -> int:
+    """The group size of an epilogue-quantized up GEMM with ``num_groups`` scales per row of
+    ``n`` columns; ValueError unless gated and the group divides both ``n`` and ``config.block_n``."""
+    group = n // num_groups if num_groups else 0
+    if not gated or group == 0 or group * num_groups != n or config.block_n % group:
+        raise ValueError(f"epilogue quantization needs the gated GEMM and groups dividing N={n} and "
+                         f"block_n={config.block_n}; got {num_groups} groups")
+    return group
 
 
 def check_gemm_operands(a_name: str, a: torch.Tensor, w_name: str, w: torch.Tensor, k_dim: str) -> None:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
-from tmoe.kernels.common import cdiv, next_power_of_2
+from tmoe.kernels.common import abs_no_nan, cdiv, fp8_scale, next_power_of_2, to_fp8
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -24,31 +24,6 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 MIN_EPS = FP8_MAX * torch.finfo(torch.float32).tiny
 TILE = 1024  # elements a group-quant program holds at once (H200: 2 warps, about 2.8 TB/s)
 PER_TOKEN_BLOCK_K = 1024
-
-
-@triton.jit
-def _abs_no_nan(x):
-    """|x| with NaN -> 0, so a NaN element does not set its group's scale."""
-    return tl.where(x != x, 0.0, tl.abs(x))
-
-
-@triton.jit
-def _scale(absmax, eps, FP8_MAX: tl.constexpr, USE_UE8M0: tl.constexpr):
-    """max(absmax, eps) / FP8_MAX (IEEE); USE_UE8M0: rounded up to a power of two on the exponent bits."""
-    absmax = tl.maximum(absmax, eps)
-    scale = tl.div_rn(absmax, tl.full(absmax.shape, FP8_MAX, tl.float32))
-    if USE_UE8M0:
-        bits = scale.to(tl.int32, bitcast=True)
-        carry = tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
-        scale = ((bits & 0x7F800000) + carry).to(tl.float32, bitcast=True)
-    return scale
-
-
-@triton.jit
-def _to_fp8(x, scale, FP8_MAX: tl.constexpr):
-    """clamp(x / scale, ±FP8_MAX) in float32, x and scale of one shape; NaN stays NaN."""
-    q = tl.div_rn(x, scale)
-    return tl.where(q != q, q, tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
 
 
 @triton.jit(do_not_specialize=['stride_sg'])
@@ -67,8 +42,8 @@ def _per_token_group_quant_fp8_kernel(
     mask = mask_g[:, None] & (offs_s < group_size)[None, :]  # [BG, BS]
     offs_k = offs_g[:, None] * group_size + offs_s[None, :]  # [BG, BS]
     x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
-    scale = _scale(tl.max(_abs_no_nan(x), axis=1), eps, FP8_MAX, USE_UE8M0)  # [BG]
-    q = _to_fp8(x, tl.broadcast_to(scale[:, None], (BLOCK_G, BLOCK_S)), FP8_MAX)
+    scale = fp8_scale(tl.max(abs_no_nan(x), axis=1), eps, FP8_MAX, USE_UE8M0)  # [BG]
+    q = to_fp8(x, tl.broadcast_to(scale[:, None], (BLOCK_G, BLOCK_S)), FP8_MAX)
     tl.store(q_ptr + pid_m * stride_qm + offs_k, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + pid_m * stride_sm + offs_g.to(tl.int64) * stride_sg, scale, mask=mask_g)
 
@@ -88,14 +63,14 @@ def _per_token_quant_fp8_kernel(
     acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, _abs_no_nan(x))
-    scale = _scale(tl.max(acc, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
+        acc = tl.maximum(acc, abs_no_nan(x))
+    scale = fp8_scale(tl.max(acc, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
     tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
     scale_k = tl.broadcast_to(scale, (BLOCK_K,))
     for k0 in range(0, K, BLOCK_K):
         mask_k = k0 + offs_k < K
         x = tl.load(x_row + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        tl.store(q_row + k0 + offs_k, _to_fp8(x, scale_k, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
+        tl.store(q_row + k0 + offs_k, to_fp8(x, scale_k, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
 
 
 @triton.jit
@@ -111,7 +86,7 @@ def _static_quant_fp8_kernel(
     mask_k = offs_k < K
     x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     scale = tl.broadcast_to(tl.load(scale_ptr), (BLOCK_K,))
-    tl.store(q_ptr + pid_m * stride_qm + offs_k, _to_fp8(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
+    tl.store(q_ptr + pid_m * stride_qm + offs_k, to_fp8(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
 
 
 def _rows(x: object) -> torch.Tensor:
