@@ -9,6 +9,7 @@ import torch
 from tmoe import benchmark as bm
 from tmoe import benchmark_peers as peers
 from tmoe.reference import moe_reference
+from tmoe.testing.tolerance import rel_error
 
 # E=4, N=8, K=16, topk=2 at M=3 with 3 experts touched, by hand: weights 3 experts * 3NK = 1152
 # elements, activations 2 * M * K = 96 elements, so 2496 bf16 bytes; flops 2 * M * topk * 3NK = 4608.
@@ -101,11 +102,12 @@ def test_plot(tmp_path):
 def test_parse_args():
     a = bm.parse_args([])
     assert [s.name for s in a.shapes] == ["mixtral", "qwen3", "deepseek"] and a.ms == list(bm.DEFAULT_MS)
-    assert a.dtype == "bf16" and a.loop_max_m == 1024 and a.providers == ("tmoe", "grouped_mm", "loop")
+    assert a.dtype == "bf16" and a.loop_max_m == 1024 and a.providers == bm.PROVIDERS
     assert bm.parse_args(["--quick"]).ms == list(bm.QUICK_MS)
     a = bm.parse_args(["--shapes", "qwen3", "--ms", "1,8", "--dtype", "fp8_block", "--out", "/tmp/x", "--stages"])
     assert [s.name for s in a.shapes] == ["qwen3"] and a.ms == [1, 8] and a.dtype == "fp8_block"
     assert str(a.out) == "/tmp/x" and a.stages
+    assert bm.parse_args(["--providers", "scaled_grouped_mm"]).providers == ("scaled_grouped_mm",)
     for bad in (["--shapes", "llama"], ["--providers", "cublas"], ["--dtype", "fp4"]):
         with pytest.raises(SystemExit):
             bm.parse_args(bad)
@@ -145,3 +147,60 @@ def test_bf16_providers_select_by_name():
 def test_failing_provider_reports_the_error_type():
     p = peers.Provider("tmoe", peers.failing(ImportError("no quant module")))
     assert bm.guarded(lambda: p.fn(None)) == "ImportError"
+
+
+REAL_SCALED_GROUPED_MM = torch._scaled_grouped_mm  # kept for its meta checks, before any patch
+
+
+def _scaled_grouped_mm_stand_in(a, b, scale_a, scale_b, offs=None, out_dtype=None):
+    """Float ``torch._scaled_grouped_mm`` (2D x 3D, row-wise scales): the real op's meta checks on
+    meta copies (dtypes, shapes, row-/column-major strides, 16-byte alignment), then per-group matmuls."""
+    meta = [t.to("meta") for t in (a, b, scale_a, scale_b, offs)]
+    assert all(m.stride() == t.stride() for m, t in zip(meta, (a, b))), "meta copies must keep the strides"
+    REAL_SCALED_GROUPED_MM(*meta[:4], offs=meta[4], out_dtype=out_dtype)
+    out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=out_dtype)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = (a[start:end].float() * scale_a[start:end, None]) @ (b[g].float() * scale_b[g])
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("mode", peers.FP8_MODES)
+@pytest.mark.parametrize("m, e, topk", [(9, 4, 2), (1, 4, 1), (7, 3, 3)])
+def test_scaled_grouped_mm_peer_matches_reference(monkeypatch, mode, m, e, topk):
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_stand_in)
+    n, k = 16, 32  # the GPU op wants 16-byte aligned fp8 rows: N, K multiples of 16
+    torch.manual_seed(m * 100 + e)
+    w1 = (torch.randn(e, 2 * n, k) / k**0.5).bfloat16()
+    w2 = (torch.randn(e, k, n) / n**0.5).bfloat16()
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    weights, ids = torch.topk(torch.randn(m, e).softmax(-1), topk)
+    ids = ids.to(torch.int32)
+    if m > 1:
+        ids[ids == e - 1] = 0  # leave the last expert empty
+    (peer,) = peers.providers(mode, w1, w2, ("scaled_grouped_mm", "grouped_mm", "loop"))
+    assert peer.name == "scaled_grouped_mm" and not peer.syncs
+    out = peer.fn(peers.RoutedInputs(x, weights, ids))
+    (w1q, s1), (w2q, s2) = (peers.quantize_fp8(w, "fp8_token") for w in (w1, w2))
+    ref = moe_reference(x.float(), w1q.float() * s1, w2q.float() * s2, weights, ids)  # on the dequantized weights
+    assert out.dtype == torch.bfloat16 and out.shape == (m, k)
+    assert rel_error(out, ref) < 6e-2  # about 4e-2: activations rounded to fp8 twice
+
+
+def test_providers_by_dtype():
+    w1, w2 = torch.randn(2, 32, 16, dtype=torch.bfloat16), torch.randn(2, 16, 16, dtype=torch.bfloat16)
+    assert [p.name for p in peers.providers("bf16", w1, w2, bm.PROVIDERS)] == ["tmoe", "grouped_mm", "loop"]
+    for mode in peers.FP8_MODES:
+        assert [p.name for p in peers.providers(mode, w1, w2, bm.PROVIDERS)] == ["tmoe", "scaled_grouped_mm"]
+        assert [p.name for p in peers.providers(mode, w1, w2, ("tmoe",))] == ["tmoe"]
+
+
+def test_scaled_grouped_mm_setup_failure_is_reported(monkeypatch):
+    def broken(w, mode):
+        raise MemoryError("no room for fp8 weights")
+
+    monkeypatch.setattr(peers, "quantize_fp8", broken)
+    w1, w2 = torch.randn(2, 32, 16, dtype=torch.bfloat16), torch.randn(2, 16, 16, dtype=torch.bfloat16)
+    (p,) = peers.providers("fp8_block", w1, w2, ("scaled_grouped_mm",))
+    assert p.name == "scaled_grouped_mm" and bm.guarded(lambda: p.fn(None)) == "MemoryError"

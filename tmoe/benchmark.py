@@ -1,4 +1,5 @@
-"""Whole-layer MoE benchmark: tmoe, a ``torch._grouped_mm`` peer and a per-expert loop against the roofline.
+"""Whole-layer MoE benchmark: tmoe against the roofline and its peers, a ``torch._grouped_mm`` MoE and a
+per-expert loop in bf16, a ``torch._scaled_grouped_mm`` MoE (row-wise scales) in the fp8 modes.
 
 floor = max(bytes / copy bandwidth, flops / matmul rate), both ceilings measured at the start of
 the run, with bytes = 3NK weights of every touched expert + x read and output written (M*K
@@ -31,7 +32,7 @@ Measurement = float | str  # microseconds, or why there is none
 DTYPES = ("bf16", "fp8_block", "fp8_token")
 DEFAULT_MS = (1, 8, 64, 256, 1024, 4096, 16384)
 QUICK_MS = (1, 64, 1024)
-PROVIDERS = ("tmoe", "grouped_mm", "loop")
+PROVIDERS = ("tmoe", "grouped_mm", "scaled_grouped_mm", "loop")  # bf16 runs skip the fp8 peer, fp8 runs the bf16 ones
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ def write_plot(path: Path, rows: Sequence[Row]) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     shapes = sorted({r.shape.name for r in rows})
-    styles = {"tmoe": "-", "grouped_mm": "--", "loop": ":"}
+    styles = {"tmoe": "-", "grouped_mm": "--", "scaled_grouped_mm": (0, (5, 1, 1, 1, 1, 1)), "loop": ":"}
     for (shape, prov), grp in itertools.groupby(sorted(rows, key=lambda r: (r.shape.name, r.provider, r.m)),
                                                 key=lambda r: (r.shape.name, r.provider)):
         pts = [(r.m, r.floor / r.best_us) for r in grp if r.best_us]
@@ -248,7 +249,7 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: pee
     providers = peers.providers(args.dtype, w1, w2, args.providers)
     weight_bytes = 2 if args.dtype == "bf16" else 1
     if args.dtype != "bf16":
-        w1 = w2 = None  # the fp8 provider holds its own quantized copies
+        w1 = w2 = None  # the fp8 providers hold their own quantized copies
     for m in ms:
         sets = peers.make_inputs(m, s.e, s.k, s.topk, args.sets, dev)
         touched = statistics.mean(count_touched(r.topk_ids, s.e) for r in sets)
@@ -273,7 +274,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results directory")
     p.add_argument("--quick", action="store_true", help="M in %s only" % ",".join(map(str, QUICK_MS)))
-    p.add_argument("--providers", default="tmoe,grouped_mm,loop", help="comma list of tmoe,grouped_mm,loop")
+    p.add_argument("--providers", default=",".join(PROVIDERS),
+                   help="comma list of tmoe,grouped_mm,loop (bf16) and tmoe,scaled_grouped_mm (fp8)")
     p.add_argument("--loop-max-m", type=int, default=1024, help="run the loop peer only up to this M")
     p.add_argument("--stages", action="store_true", help="also time each tmoe stage alone (bf16)")
     p.add_argument("--sets", type=int, default=4, help="rotated input sets")

@@ -1,5 +1,5 @@
 """What ``tmoe.benchmark`` runs on the GPU: inputs, providers (the tmoe layer, its stages, two
-plain-PyTorch peers), the ceilings and the two timers.
+plain-PyTorch bf16 peers and one fp8 peer), the ceilings and the two timers.
 
 Every provider maps one ``RoutedInputs`` to the (M, K) layer output. Peers follow the layout
 ``tmoe.fused_experts`` takes: w1 (E, 2N, K) gate rows then up rows, w2 (E, K, N), silu.
@@ -57,24 +57,56 @@ def make_inputs(m: int, e: int, k: int, topk: int, n_sets: int, device: torch.de
     return sets
 
 
-def grouped_mm_moe(x: torch.Tensor, w1_t: torch.Tensor, w2_t: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
-    """Sort slots by expert, ``torch._grouped_mm`` up, silu(gate) * up, ``_grouped_mm`` down,
-    weighted ``index_add_``. w1_t (E, K, 2N), w2_t (E, N, K): transposed views of w1, w2.
+def _sort_by_expert(topk_ids: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, token, offs): the M*topk slots in expert order, their token rows, int32 group ends (E,).
 
     Group ends are ``searchsorted`` on the sorted ids, equal to
     ``bincount(ids, minlength=E).cumsum(0)``; bincount reads its max on the host, this does not,
-    so the peer can be graph-captured.
+    so the peers can be graph-captured.
     """
-    e, n, topk = w1_t.shape[0], w2_t.shape[1], topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # [M*topk] slots in expert order
-    token = order // topk
+    order = torch.argsort(flat, stable=True)  # [M*topk]
     experts = torch.arange(e, dtype=flat.dtype, device=flat.device)
-    offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # [E] group ends
+    offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)  # [E]
+    return order, order // topk_ids.shape[1], offs
+
+
+def grouped_mm_moe(x: torch.Tensor, w1_t: torch.Tensor, w2_t: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    """Sort slots by expert, ``torch._grouped_mm`` up, silu(gate) * up, ``_grouped_mm`` down,
+    weighted ``index_add_``. w1_t (E, K, 2N), w2_t (E, N, K): transposed views of w1, w2."""
+    n = w2_t.shape[1]
+    order, token, offs = _sort_by_expert(topk_ids, w1_t.shape[0])
     h = torch._grouped_mm(x[token], w1_t, offs=offs)  # [M*topk, 2N]
     a = F.silu(h[:, :n]) * h[:, n:]
     y = torch._grouped_mm(a, w2_t, offs=offs)  # [M*topk, K]
+    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, token, y)
+
+
+def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (R, C) -> (float8_e4m3fn codes (R, C), float32 scales (R,)), scale = max(absmax / 448, 1e-12)."""
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    scale = (t.abs().amax(-1).float() / fp8_max).clamp(min=1e-12)
+    return (t.float() / scale[:, None]).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), scale
+
+
+Fp8Weight = tuple[torch.Tensor, torch.Tensor]  # (E, In, Out) float8_e4m3fn column-major, (E, Out) float32
+
+
+def scaled_grouped_mm_moe(x: torch.Tensor, w1: Fp8Weight, w2: Fp8Weight, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm_moe`` in fp8 with ``torch._scaled_grouped_mm`` and row-wise scales: the gathered
+    rows and the intermediate are quantized per row (per token) in plain torch before each GEMM.
+    w1 = (w1q_t (E, K, 2N), s1 (E, 2N)), w2 = (w2q_t (E, N, K), s2 (E, K)): transposed views of
+    the per-output-channel fp8 w1, w2 and their scales. Returns (M, K) bf16."""
+    (w1q_t, s1), (w2q_t, s2) = w1, w2
+    n = w2q_t.shape[1]
+    order, token, offs = _sort_by_expert(topk_ids, w1q_t.shape[0])
+    xq, x_scale = _quantize_rows(x[token])  # [M*topk, K], [M*topk]
+    h = torch._scaled_grouped_mm(xq, w1q_t, x_scale, s1, offs=offs, out_dtype=torch.bfloat16)  # [M*topk, 2N]
+    aq, a_scale = _quantize_rows(F.silu(h[:, :n]) * h[:, n:])  # [M*topk, N], [M*topk]
+    y = torch._scaled_grouped_mm(aq, w2q_t, a_scale, s2, offs=offs, out_dtype=torch.bfloat16)  # [M*topk, K]
     y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
     return torch.zeros_like(x).index_add_(0, token, y)
 
@@ -170,16 +202,35 @@ def fp8_provider(w1: torch.Tensor, w2: torch.Tensor, mode: str) -> Provider:
     return Provider("tmoe", fn)
 
 
+def scaled_grouped_mm_provider(w1: torch.Tensor, w2: torch.Tensor) -> Provider:
+    """``scaled_grouped_mm_moe`` on w1/w2 quantized per output channel once, here; named
+    "scaled_grouped_mm". Row-wise in both fp8 modes: per-token activation and per-channel weight
+    scales, also where tmoe's fp8_block uses 128x128 weight blocks. A failing setup gives a
+    provider that raises."""
+    try:
+        (w1q, s1), (w2q, s2) = quantize_fp8(w1, "fp8_token"), quantize_fp8(w2, "fp8_token")
+        up, down = (w1q.transpose(1, 2), s1[..., 0]), (w2q.transpose(1, 2), s2[..., 0])
+        fn = lambda r: scaled_grouped_mm_moe(r.x, up, down, r.topk_weights, r.topk_ids)  # noqa: E731
+    except Exception as err:  # noqa: BLE001  (a peer that fails is reported, not fatal)
+        fn = failing(err)
+    return Provider("scaled_grouped_mm", fn)
+
+
 def providers(dtype: str, w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, ...]) -> list[Provider]:
-    """The providers of a run: ``bf16_providers`` for "bf16", else the fp8 tmoe layer alone
-    (a failing fp8 setup gives a provider that raises, reported as n/a)."""
+    """The providers of a run: ``bf16_providers`` for "bf16", else those among the fp8 tmoe layer
+    and "scaled_grouped_mm" (a failing fp8 setup gives a provider that raises, reported as n/a)."""
     if dtype == "bf16":
         return bf16_providers(w1, w2, names)
-    try:
-        return [fp8_provider(w1, w2, dtype)]
-    except Exception as err:  # noqa: BLE001  (the fp8 API may be incomplete)
-        print(f"    fp8 setup failed: {type(err).__name__}: {err}", flush=True)
-        return [Provider("tmoe", failing(err))]
+    fp8 = []
+    if "tmoe" in names:
+        try:
+            fp8.append(fp8_provider(w1, w2, dtype))
+        except Exception as err:  # noqa: BLE001  (the fp8 API may be incomplete)
+            print(f"    fp8 setup failed: {type(err).__name__}: {err}", flush=True)
+            fp8.append(Provider("tmoe", failing(err)))
+    if "scaled_grouped_mm" in names:
+        fp8.append(scaled_grouped_mm_provider(w1, w2))
+    return fp8
 
 
 STAGES = ("align", "up", "down", "reduce")

@@ -74,10 +74,15 @@ def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | Non
     return MoEConfig(up, down)
 
 
-def config_file_name(e: int, n: int, device_name: str, dtype: str | None) -> str:
-    """vLLM's naming: ``E=8,N=14336,device_name=NVIDIA_H200,dtype=fp8_w8a8.json``."""
+def config_file_name(e: int, n: int, device_name: str, dtype: str | None,
+                     block_shape: tuple[int, int] | None = None) -> str:
+    """vLLM's naming: ``E=8,N=14336,device_name=NVIDIA_H200,dtype=fp8_w8a8[,block_shape=[128,128]].json``."""
     name = f"E={e},N={n},device_name={device_name.replace(' ', '_')}"
-    return name + (f",dtype={dtype}.json" if dtype else ".json")
+    if dtype:
+        name += f",dtype={dtype}"
+    if block_shape:
+        name += f",block_shape=[{block_shape[0]},{block_shape[1]}]"
+    return name + ".json"
 
 
 _SHIPPED_CONFIGS = Path(__file__).parent / "configs"
@@ -124,10 +129,11 @@ def device_name(device: torch.device) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str | None, block_k_cap: int | None,
-            config_dir: str | None) -> MoEConfig:
+def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str | None,
+            block_shape: tuple[int, int] | None, config_dir: str | None) -> MoEConfig:
     dirs = (Path(config_dir), _SHIPPED_CONFIGS) if config_dir else (_SHIPPED_CONFIGS,)
-    table = _load_table(config_file_name(e, n, device, quant), dirs)
+    table = _load_table(config_file_name(e, n, device, quant, block_shape), dirs)
+    block_k_cap = block_shape[1] if block_shape else None
     if table:
         cfg = table[min(table, key=lambda tm: abs(tm - m))]
         if block_k_cap is None or (cfg.up.block_k <= block_k_cap and cfg.down.block_k <= block_k_cap):
@@ -137,14 +143,16 @@ def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str |
 
 def get_config(
     m: int, e: int, n: int, k: int, topk: int, device: torch.device, quant: str | None = None,
-    block_k_cap: int | None = None,
+    block_shape: tuple[int, int] | None = None,
 ) -> MoEConfig:
     """The tile config for a layer of ``e`` experts, ``w1 (e, 2n, k)``, at ``m`` tokens.
 
     Order: ``override_config`` > tuned table (nearest M; ``TMOE_CONFIG_DIR`` first, then the
     shipped tables) > heuristic. ``quant`` names the table's dtype suffix (``fp8_w8a8``);
-    ``block_k_cap`` caps block_k (block-quant groups). Lookups are cached per key.
+    ``block_shape`` (block quantization) names the table too and caps block_k at the group.
+    Lookups are cached per key.
     """
     if _OVERRIDE:
         return _OVERRIDE[-1]
-    return _lookup(m, e, n, k, topk, device_name(device), quant, block_k_cap, os.environ.get("TMOE_CONFIG_DIR"))
+    bs = tuple(block_shape) if block_shape else None
+    return _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"))

@@ -52,7 +52,7 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
     def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device):
         qc = self.quant_config
         return get_config(m, e, n, k, topk, device, quant="fp8_w8a8" if qc.quant_dtype is not None else None,
-                          block_k_cap=qc.block_shape[1] if qc.block_shape else None)
+                          block_shape=qc.block_shape)
 
 
 class TritonExperts(_TritonExpertsBase):

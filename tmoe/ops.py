@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import torch
 
+from tmoe.checks import FP8_DTYPES
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
 from tmoe.kernels.moe_gemm import Routing, Scales, check_gemm_operands, invoke_moe_gemm
@@ -51,7 +52,7 @@ def _gemm(
     num_slots = a.shape[0] * a_row_div
     n = w.shape[1] // 2 if gated else w.shape[1]
     cfg = get_config(a.shape[0], w.shape[0], n, w.shape[2], a_row_div, a.device,
-                     block_k_cap=block_shape[1] if block_shape else None)
+                     quant="fp8_w8a8" if a.dtype in FP8_DTYPES else None, block_shape=block_shape)
     gemm_cfg = replace(cfg.up if gated else cfg.down, block_m=block_m)  # block_m: the align's block size
     out = torch.empty((num_slots, n), dtype=out_dtype or a.dtype, device=a.device)
     routing = Routing(sorted_token_ids, expert_ids, num_tokens_post_padded, num_slots, a_row_div)

@@ -1,8 +1,11 @@
 """``python -m tmoe tune``: search tile configs on the GPU and write a tuned table.
 
 For each M the two GEMMs are timed separately over a candidate list (the align block size is
-shared, so the pair with the best summed time wins). Results are written after every M, and
-M values already in the output file are skipped, so an interrupted run resumes.
+shared, so the pair with the best summed time wins). fp8 (``--quant fp8_block|fp8_token``):
+weights quantized as checkpoints carry them, and the up GEMM is timed together with the
+intermediate's quantization (in its epilogue when the tile allows, else the quant stage).
+Results are written after every M, and M values already in the output file are skipped, so
+an interrupted run resumes.
 """
 from __future__ import annotations
 
@@ -10,20 +13,30 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tmoe.benchmark_peers import quantize_fp8
 from tmoe.config import GemmConfig, MoEConfig, config_file_name, device_name, save_table
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.moe_gemm import Routing, invoke_moe_gemm
+from tmoe.kernels.moe_gemm import Routing, Scales, invoke_moe_gemm
+from tmoe.kernels.quant import per_token_group_quant_fp8, per_token_quant_fp8
 
 SHAPES = {"mixtral": (8, 14336, 4096, 2), "qwen3": (128, 768, 2048, 8), "deepseek": (256, 2048, 7168, 8)}
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # (block_n, block_k, num_warps, num_stages); up GEMM tiles load 2 * block_n weight rows
 SMALL_TILES = [(32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3),
-               (128, 64, 4, 5)]
-LARGE_TILES = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3)]
+               (128, 64, 4, 5), (16, 256, 4, 3), (32, 128, 2, 5)]
+LARGE_TILES = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3),
+               (64, 128, 4, 3), (128, 64, 8, 5), (256, 64, 8, 4)]
+# fp8: a K tile of 128 bytes or more; block quantization caps block_k at the 128 group
+FP8_SMALL_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 4, 4), (32, 256, 4, 3),
+                   (64, 256, 4, 3), (16, 256, 4, 4)]
+FP8_LARGE_TILES = [(64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3),
+                   (128, 64, 8, 4)]
+QUANTS = {"none": None, "fp8_block": (128, 128), "fp8_token": None}
 
 
 def block_ms(m: int, e: int, topk: int) -> list[int]:
@@ -32,9 +45,13 @@ def block_ms(m: int, e: int, topk: int) -> list[int]:
     return [bm for bm in (16, 32, 64, 128) if bm <= max(16, 2 * per_expert)][-2:]
 
 
-def candidates(block_m: int, gated: bool) -> list[GemmConfig]:
-    tiles = SMALL_TILES if block_m <= 32 else LARGE_TILES
-    return [GemmConfig(block_m, bn, bk, 8, w, s) for bn, bk, w, s in tiles if not (gated and bn > 128)]
+def candidates(block_m: int, gated: bool, quant: str = "none") -> list[GemmConfig]:
+    if quant == "none":
+        tiles = SMALL_TILES if block_m <= 32 else LARGE_TILES
+    else:
+        tiles = FP8_SMALL_TILES if block_m <= 32 else FP8_LARGE_TILES
+    cap = QUANTS[quant][1] if QUANTS[quant] else 1 << 30
+    return [GemmConfig(block_m, bn, bk, 8, w, s) for bn, bk, w, s in tiles if not (gated and bn > 128) and bk <= cap]
 
 
 def _time_us(fn) -> float:
@@ -43,33 +60,79 @@ def _time_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
 
-def tune_m(m: int, w1: torch.Tensor, w2: torch.Tensor, topk: int) -> tuple[MoEConfig, float]:
-    """Best config at ``m`` tokens and its summed GEMM time in µs."""
-    e, n, k = w2.shape[0], w2.shape[2], w2.shape[1]
-    dtype = w1.dtype
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
+@dataclass(frozen=True)
+class Problem:
+    """What one tuning shape runs: w1 (E, 2N, K) / w2 (E, K, N) in the tuned dtype, their scales."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    topk: int
+    quant: str = "none"
+    w1_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Activations as the layer's prepare (or the between-GEMM quant stage) makes them."""
+        if self.quant == "fp8_block":
+            return per_token_group_quant_fp8(x, QUANTS["fp8_block"][1])
+        if self.quant == "fp8_token":
+            return per_token_quant_fp8(x)
+        return x, None
+
+    def scales(self, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None) -> Scales | None:
+        return None if a_scale is None else Scales(a_scale, w_scale, QUANTS[self.quant])
+
+
+def make_problem(e: int, n: int, k: int, topk: int, dtype: torch.dtype, quant: str) -> Problem:
+    w1 = torch.randn(e, 2 * n, k, device="cuda", dtype=dtype) / k**0.5
+    w2 = torch.randn(e, k, n, device="cuda", dtype=dtype) / n**0.5
+    if quant == "none":
+        return Problem(w1, w2, topk)
+    (w1q, s1), (w2q, s2) = quantize_fp8(w1, quant), quantize_fp8(w2, quant)
+    return Problem(w1q, w2q, topk, quant, s1, s2)
+
+
+def tune_m(m: int, p: Problem) -> tuple[MoEConfig, float]:
+    """Best config at ``m`` tokens and its summed GEMM (+ intermediate quant) time in µs."""
+    e, n, k, topk = p.w2.shape[0], p.w2.shape[2], p.w2.shape[1], p.topk
+    x, x_scale = p.quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     ids = torch.topk(torch.randn(m, e, device="cuda"), topk).indices.to(torch.int32)
-    inter = torch.empty(m * topk, n, device="cuda", dtype=dtype)
-    out = torch.empty(m * topk, k, device="cuda", dtype=dtype)
+    inter = torch.empty(m * topk, n, device="cuda", dtype=torch.bfloat16)
+    inter_q, inter_scale = p.quantize(inter)
+    group = QUANTS[p.quant][1] if QUANTS[p.quant] else None
+    fused_scale = torch.empty(m * topk, n // group, device="cuda") if group else None
+    out = torch.empty(m * topk, k, device="cuda", dtype=torch.bfloat16)
     best: tuple[MoEConfig, float] | None = None
     for bm in block_ms(m, e, topk):
         s, eids, ntpp = moe_align_block_size(ids, bm, e)
         up_route, down_route = Routing(s, eids, ntpp, m * topk, topk), Routing(s, eids, ntpp, m * topk, 1)
 
+        def up(cfg: GemmConfig) -> None:
+            scales = p.scales(x_scale, p.w1_scale)
+            if group and cfg.block_n % group == 0 and n % group == 0:  # epilogue quantization
+                invoke_moe_gemm(x, p.w1, inter_q, cfg, gated=True, routing=up_route, scales=scales,
+                                out_scale=fused_scale)
+            else:
+                invoke_moe_gemm(x, p.w1, inter, cfg, gated=True, routing=up_route, scales=scales)
+                p.quantize(inter)
+
+        def down(cfg: GemmConfig) -> None:
+            invoke_moe_gemm(inter_q, p.w2, out, cfg, gated=False, routing=down_route,
+                            scales=p.scales(inter_scale, p.w2_scale))
+
         def fastest(gated: bool):
             timed = []
-            for cfg in candidates(bm, gated):
-                a, w, o, r = (x, w1, inter, up_route) if gated else (inter, w2, out, down_route)
+            for cfg in candidates(bm, gated, p.quant):
                 try:
-                    timed.append((_time_us(lambda: invoke_moe_gemm(a, w, o, cfg, gated=gated, routing=r)), cfg))
+                    timed.append((_time_us(lambda: (up if gated else down)(cfg)), cfg))
                 except Exception as err:  # a config that does not fit shared memory: skip it
                     print(f"    skip {cfg}: {type(err).__name__}", flush=True)
             return min(timed, key=lambda t: t[0])
 
-        t_up, up = fastest(True)
-        t_down, down = fastest(False)
+        t_up, up_cfg = fastest(True)
+        t_down, down_cfg = fastest(False)
         if best is None or t_up + t_down < best[1]:
-            best = (MoEConfig(up, down), t_up + t_down)
+            best = (MoEConfig(up_cfg, down_cfg), t_up + t_down)
     return best
 
 
@@ -78,25 +141,25 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--shape", required=True, help=f"one of {sorted(SHAPES)} or E,N,K,topk")
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--quant", default="none", choices=sorted(QUANTS))
     ap.add_argument("--out", default=str(Path(__file__).parent / "configs"))
     args = ap.parse_args(argv)
     e, n, k, topk = SHAPES.get(args.shape) or tuple(int(v) for v in args.shape.split(","))
-    path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")), None)
+    path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")),
+                                             None if args.quant == "none" else "fp8_w8a8", QUANTS[args.quant])
     path.parent.mkdir(parents=True, exist_ok=True)
     table: dict[int, MoEConfig] = {}
     if path.is_file():
         raw = json.loads(path.read_text())
         table = {int(m): MoEConfig(GemmConfig(**r["up"]), GemmConfig(**r["down"])) for m, r in raw.items()}
     ms = [int(v) for v in args.ms.split(",")]
-    dtype = getattr(torch, args.dtype)
-    w1 = torch.randn(e, 2 * n, k, device="cuda", dtype=dtype) / k**0.5
-    w2 = torch.randn(e, k, n, device="cuda", dtype=dtype) / n**0.5
+    problem = make_problem(e, n, k, topk, getattr(torch, args.dtype), args.quant)
     for i, m in enumerate(ms):
         if m in table:
             print(f"[{i + 1}/{len(ms)}] M={m}: already tuned", flush=True)
             continue
         t0 = time.time()
-        cfg, us = tune_m(m, w1, w2, topk)
+        cfg, us = tune_m(m, problem)
         table[m] = cfg
         save_table(path, table)
         print(f"[{i + 1}/{len(ms)}] M={m}: {us:.1f} us  up={cfg.up} down={cfg.down} ({time.time() - t0:.0f} s)",
