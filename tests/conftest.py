@@ -59,3 +59,13 @@ def _seed_and_poison(monkeypatch):
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture(params=["sorted", "direct"])
+def route(request):
+    """Run the test under both Standard-format paths: aligned, and decode (no align, the down
+    GEMM sums each token's slots); M alone would pick one of them."""
+    from tmoe.config import override_route
+
+    with override_route(request.param):
+        yield request.param

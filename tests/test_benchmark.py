@@ -196,6 +196,21 @@ def test_providers_by_dtype():
         assert [p.name for p in peers.providers(mode, w1, w2, ("tmoe",))] == ["tmoe"]
 
 
+def test_with_routes_forces_the_path_inside_the_call():
+    import tmoe.config
+
+    seen = []
+    probe = peers.Provider("tmoe", lambda r: seen.append(tmoe.config.use_direct_route(4096, 8)))
+    other = peers.Provider("grouped_mm", lambda r: None)
+    out = peers.with_routes([probe, other], ("auto", "sorted", "direct"))
+    assert [p.name for p in out] == ["tmoe", "tmoe[sorted]", "tmoe[direct]", "grouped_mm"]
+    for p in out[:3]:
+        p.fn(None)
+    assert seen == [False, False, True]
+    with pytest.raises(SystemExit):
+        bm.parse_args(["--routes", "sideways"])
+
+
 def test_scaled_grouped_mm_setup_failure_is_reported(monkeypatch):
     def broken(w, mode):
         raise MemoryError("no room for fp8 weights")

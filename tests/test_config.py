@@ -6,7 +6,7 @@ import torch
 
 import tmoe
 from tmoe.config import config_file_name, get_config, save_table
-from tmoe.kernels.moe_gemm import SHARED_MEMORY_BUDGET, fit_shared_memory
+from tmoe.kernels.gemm_args import SHARED_MEMORY_BUDGET, fit_shared_memory
 
 
 def test_heuristic_block_m_grows_with_tokens_per_expert():

@@ -68,7 +68,7 @@ def run_scheme(p, scheme: Scheme, kernel: tmoe.FusedMoEModularKernel | None = No
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 @pytest.mark.parametrize("shape", [MoEShape(1, 4, 128, 256, 2), MoEShape(37, 8, 256, 128, 2),
                                    MoEShape(0, 4, 128, 128, 2), MoEShape(20, 4, 128, 384, 1)], ids=str)
-def test_fp8_layer(scheme, shape):
+def test_fp8_layer(scheme, shape, route):
     p = make_problem(shape, torch.bfloat16, "out_of_range" if shape.m > 30 else "uniform", seed=shape.m,
                      device=DEVICE)
     out, ref = run_scheme(p, scheme)
@@ -77,7 +77,7 @@ def test_fp8_layer(scheme, shape):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
-def test_fp8_zero_rows_and_tiny_inputs_stay_finite(scheme):
+def test_fp8_zero_rows_and_tiny_inputs_stay_finite(scheme, route):
     p = make_problem(MoEShape(9, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=4, device=DEVICE)
     p.x[0] = 0.0
     p.x[1] = 1e-23
@@ -88,7 +88,7 @@ def test_fp8_zero_rows_and_tiny_inputs_stay_finite(scheme):
 
 
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if not s.static], ids=lambda s: s.name)
-def test_fp8_nan_stays_in_its_token(scheme):
+def test_fp8_nan_stays_in_its_token(scheme, route):
     """A NaN in one token's input reaches exactly that token's output (dynamic scales)."""
     p = make_problem(MoEShape(24, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=6, device=DEVICE)
     p.x[5, 3] = float("nan")
@@ -140,13 +140,14 @@ def test_fp8_bad_input_raises_before_launch():
                            w1_scale=s1, w2_scale=s2)  # bf16 weights under an fp8 config
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["standard", "batched"])
-def test_epilogue_quant_equals_group_quant_of_float32_intermediate(batched):
+@pytest.mark.parametrize("layout", ["sorted", "direct", "batched"])
+def test_epilogue_quant_equals_group_quant_of_float32_intermediate(layout):
     """The up GEMM's fused 1 x 128 quantization writes exactly the codes and scales that
     ``per_token_group_quant_fp8`` gives for the same GEMM's float32 intermediate (bit for bit:
     same accumulator, same rounding); unwritten elements stay NaN-poisoned and fail."""
     from tmoe.config import GemmConfig
-    from tmoe.kernels.moe_gemm import Routing, Scales, invoke_moe_gemm
+    from tmoe.kernels.gemm_args import Scales
+    from tmoe.kernels.moe_gemm import DirectRouting, Routing, invoke_moe_gemm
     from tmoe.testing import poison
 
     block = SCHEMES[3].config.block_shape
@@ -154,7 +155,7 @@ def test_epilogue_quant_equals_group_quant_of_float32_intermediate(batched):
     w1q, s1, _ = quantize_weights(p.w1, SCHEMES[3])
     cfg = GemmConfig(16, 128, 128)
     n = p.w1.shape[1] // 2
-    if batched:
+    if layout == "batched":
         cap = 11 * 2
         x = torch.randn(4, cap, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
         counts = torch.tensor([22, 0, 7, 13], dtype=torch.int32, device=DEVICE)
@@ -164,7 +165,9 @@ def test_epilogue_quant_equals_group_quant_of_float32_intermediate(batched):
     else:
         xq, xs = tmoe.per_token_group_quant_fp8(p.x, block[1])
         sorted_ids, expert_ids, ntpp = tmoe.moe_align_block_size(p.topk_ids, cfg.block_m, 4)
-        rows, where = (11 * 2,), dict(routing=Routing(sorted_ids, expert_ids, ntpp, 22, 2))
+        routing = (Routing(sorted_ids, expert_ids, ntpp, 22, 2) if layout == "sorted"
+                   else DirectRouting(p.topk_ids, 4, a_row_div=2))
+        rows, where = (11 * 2,), dict(routing=routing)
         valid = torch.ones(22, dtype=torch.bool, device=DEVICE)
     scales = Scales(xs, s1, block)
     inter32 = poison(torch.empty(*rows, n, device=DEVICE))

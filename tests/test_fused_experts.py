@@ -50,7 +50,7 @@ def run_and_check(p, dtype, **kwargs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_fused_experts_cases(case, dtype):
+def test_fused_experts_cases(case, dtype, route):
     p = make_problem(case.shape, dtype, case.routing, seed=hash(str(case)) % 1000, device=DEVICE)
     run_and_check(p, dtype, activation=case.activation)
 
@@ -61,7 +61,7 @@ def test_fused_experts_property(p):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_expert_map_half_remote(dtype):
+def test_expert_map_half_remote(dtype, route):
     """Global E=8, this rank holds the 4 even experts: remote slots contribute exactly zero."""
     shape = MoEShape(23, 8, 64, 64, 2)
     p = make_problem(shape, dtype, "out_of_range", seed=3, device=DEVICE)
@@ -76,7 +76,7 @@ def test_expert_map_half_remote(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_apply_router_weight_on_input(dtype):
+def test_apply_router_weight_on_input(dtype, route):
     p = make_problem(MoEShape(19, 4, 64, 64, 1), dtype, "uniform", seed=5, device=DEVICE)
     weights = torch.rand_like(p.topk_weights) + 0.5
     out = tmoe.fused_experts(p.x, p.w1, p.w2, weights, p.topk_ids, apply_router_weight_on_input=True)
@@ -135,7 +135,7 @@ def test_bad_input_raises_before_launch(over, kwargs, error, match):
 
 @pytest.mark.parametrize("fmt", ["standard", "batched"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_expert_biases_with_swigluoai(dtype, fmt):
+def test_expert_biases_with_swigluoai(dtype, fmt, route):
     """GPT-OSS-style experts: biases before the activation and before the router weight."""
     p = make_problem(MoEShape(11, 4, 64, 72, 2), dtype, "out_of_range", seed=17, device=DEVICE)
     b1 = torch.randn(4, 128, device=DEVICE).to(dtype)
@@ -147,6 +147,29 @@ def test_expert_biases_with_swigluoai(dtype, fmt):
         kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(22, 4), tmoe.BatchedTritonExperts(22))
         out = kernel(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kwargs)
     assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kwargs), dtype)
+
+
+def test_direct_route_runs_no_align_and_no_reduce(monkeypatch):
+    """The decode path launches neither the align stage nor the reduce: the down GEMM writes
+    the weighted sum straight into the layer output."""
+    import tmoe.experts
+    import tmoe.prepare_finalize
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the decode path must not align or reduce")
+
+    monkeypatch.setattr(tmoe.experts, "moe_align_block_size", fail)
+    monkeypatch.setattr(tmoe.prepare_finalize, "moe_reduce", fail)
+    p = make_problem(MoEShape(3, 8, 64, 64, 2), torch.float32, "uniform", seed=2, device=DEVICE)
+    with tmoe.override_route("direct"):
+        out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), torch.float32)
+
+
+@pytest.mark.parametrize("m, topk, direct", [(1, 8, True), (2, 8, True), (3, 8, False), (8, 2, True), (9, 2, False)])
+def test_route_by_slot_count(m, topk, direct):
+    assert tmoe.config.use_direct_route(m, topk) is direct
+    assert tmoe.config.DIRECT_MAX_SLOTS == 16
 
 
 def test_bad_bias_shape():

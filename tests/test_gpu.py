@@ -33,7 +33,7 @@ def _routing(m, e, topk):
 def test_model_shapes_bf16(model):
     e, n, k, topk = MODEL_SHAPES[model]
     w1, w2 = _weights(e, n, k)
-    for m in (1, 64, 1024):
+    for m in (1, 8, 64, 1024):  # M=1, and Mixtral M=8 (16 slots): the decode path (no align)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weights, ids = _routing(m, e, topk)
         out = tmoe.fused_experts(x, w1, w2, weights, ids)
@@ -96,11 +96,11 @@ def test_compile_reduce_overhead_uses_cudagraphs():
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
-@pytest.mark.parametrize("fmt", ["standard", "batched"])
+@pytest.mark.parametrize("fmt", ["standard", "batched", "decode"])
 def test_forward_has_no_host_syncs(fmt):
-    e, n, k, topk, m = 8, 256, 512, 2, 33
+    e, n, k, topk, m = 8, 256, 512, 2, 4 if fmt == "decode" else 33
     w1, w2 = _weights(e, n, k)
-    kernel = _standard_kernel() if fmt == "standard" else _batched_kernel(m, topk, e)
+    kernel = _batched_kernel(m, topk, e) if fmt == "batched" else _standard_kernel()
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weights, ids = _routing(m, e, topk)
     kernel(x, w1, w2, weights, ids)  # compile kernels first: JIT may sync
@@ -166,7 +166,7 @@ def test_model_shapes_fp8(model, scheme):
 
     w1q, s1, w1d = quantized(2 * n, k)
     w2q, s2, w2d = quantized(k, n)
-    for m in (1, 64, 1024):
+    for m in (1, 8, 64, 1024):  # M=1, and Mixtral M=8 (16 slots): the decode path (no align)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weights, ids = _routing(m, e, topk)
         out = tmoe.fused_experts(x, w1q, w2q, weights, ids, quant_config=config, w1_scale=s1, w2_scale=s2)

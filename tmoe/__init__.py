@@ -13,7 +13,7 @@ if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tmoe import ops as _ops  # noqa: F401  (registers torch.ops.tmoe.*)
-from tmoe.config import GemmConfig, MoEConfig, get_config, override_config
+from tmoe.config import GemmConfig, MoEConfig, get_config, override_config, override_route
 from tmoe.distributed import AllGatherPrepareAndFinalize
 from tmoe.experts import BatchedTritonExperts, TritonExperts
 from tmoe.fused import fused_experts
@@ -41,7 +41,7 @@ __all__ = [
     "AllGatherPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoE", "FusedMoEActivationFormat", "FusedMoEModularKernel",
     "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "GemmConfig",
     "MoEConfig", "NoEPPrepareAndFinalize", "PrepareResult", "TritonExperts", "fused_experts", "get_config",
-    "moe_align_block_size", "moe_reduce", "override_config", "per_token_group_quant_fp8", "per_token_quant_fp8",
+    "moe_align_block_size", "moe_reduce", "override_config", "override_route", "per_token_group_quant_fp8", "per_token_quant_fp8",
     "quantize_weight_per_block_fp8", "quantize_weight_per_channel_fp8", "quantize_weight_per_tensor_fp8",
     "static_quant_fp8", "topk_route",
 ]

@@ -32,6 +32,7 @@ Measurement = float | str  # microseconds, or why there is none
 DTYPES = ("bf16", "fp8_block", "fp8_token")
 DEFAULT_MS = (1, 8, 64, 256, 1024, 4096, 16384)
 QUICK_MS = (1, 64, 1024)
+ROUTES = ("auto", "sorted", "direct")
 PROVIDERS = ("tmoe", "grouped_mm", "scaled_grouped_mm", "loop")  # bf16 runs skip the fp8 peer, fp8 runs the bf16 ones
 
 
@@ -246,7 +247,7 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: pee
     """Every M and provider of one shape on fresh random weights, freed before returning."""
     dev = torch.device("cuda")
     w1, w2 = peers.make_weights(s.e, s.n, s.k, dev)
-    providers = peers.providers(args.dtype, w1, w2, args.providers)
+    providers = peers.with_routes(peers.providers(args.dtype, w1, w2, args.providers), args.routes)
     weight_bytes = 2 if args.dtype == "bf16" else 1
     if args.dtype != "bf16":
         w1 = w2 = None  # the fp8 providers hold their own quantized copies
@@ -281,12 +282,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sets", type=int, default=4, help="rotated input sets")
     p.add_argument("--rounds", type=int, default=20, help="minimum timed graph rounds")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (ms)")
+    p.add_argument("--routes", default="auto",
+                   help="comma list of auto,sorted,direct: tmoe by token count, or forced to its aligned or "
+                        "decode path (rows tmoe[sorted], tmoe[direct])")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
     shapes, names = args.shapes.split(","), tuple(args.providers.split(","))
     bad = [s for s in shapes if s not in SHAPES] + [n for n in names if n not in PROVIDERS]
     if bad:
         p.error(f"unknown shapes or providers: {', '.join(bad)}")
+    args.routes = tuple(args.routes.split(","))
+    if any(r not in ROUTES for r in args.routes):
+        p.error(f"routes must be among {', '.join(ROUTES)}")
     args.shapes, args.providers = [SHAPES[s] for s in shapes], names
     args.ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else DEFAULT_MS)
     return args

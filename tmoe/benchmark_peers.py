@@ -216,6 +216,26 @@ def scaled_grouped_mm_provider(w1: torch.Tensor, w2: torch.Tensor) -> Provider:
     return Provider("scaled_grouped_mm", fn)
 
 
+def with_routes(providers: list[Provider], routes: tuple[str, ...]) -> list[Provider]:
+    """The "tmoe" provider once per route: "auto" as it is, "sorted"/"direct" forced to the
+    aligned or decode path and named "tmoe[sorted]"/"tmoe[direct]"; other providers unchanged."""
+    import tmoe
+
+    def forced(fn: Callable[[RoutedInputs], torch.Tensor], route: str) -> Callable[[RoutedInputs], torch.Tensor]:
+        def call(r: RoutedInputs) -> torch.Tensor:
+            with tmoe.override_route(route):
+                return fn(r)
+        return call
+
+    out = []
+    for p in providers:
+        if p.name != "tmoe":
+            out.append(p)
+            continue
+        out += [p if r == "auto" else Provider(f"tmoe[{r}]", forced(p.fn, r), p.syncs) for r in routes]
+    return out
+
+
 def providers(dtype: str, w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, ...]) -> list[Provider]:
     """The providers of a run: ``bf16_providers`` for "bf16", else those among the fp8 tmoe layer
     and "scaled_grouped_mm" (a failing fp8 setup gives a provider that raises, reported as n/a)."""

@@ -37,10 +37,13 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Tiles for the two GEMMs; they share ``block_m``, the alignment block size."""
+    """Tiles for the two GEMMs; they share ``block_m``, the alignment block size.
+    ``direct_down``: tiles of the decode path's down GEMM with the fused top-k reduce (its up
+    GEMM takes ``up`` with block_m 16); None means the heuristic's."""
 
     up: GemmConfig
     down: GemmConfig
+    direct_down: GemmConfig | None = None
 
     def __post_init__(self) -> None:
         if self.up.block_m != self.down.block_m:
@@ -94,15 +97,23 @@ def _load_table(file_name: str, dirs: tuple[Path, ...]) -> dict[int, MoEConfig] 
         path = d / file_name
         if path.is_file():
             raw = json.loads(path.read_text())
-            return {
-                int(m): MoEConfig(GemmConfig(**row["up"]), GemmConfig(**row["down"])) for m, row in raw.items()
-            }
+            return {int(m): config_from_row(row) for m, row in raw.items()}
     return None
 
 
+def config_from_row(row: dict) -> MoEConfig:
+    """A table row ``{"up": {...}, "down": {...}[, "direct_down": {...}]}`` as a MoEConfig."""
+    direct = row.get("direct_down")
+    return MoEConfig(GemmConfig(**row["up"]), GemmConfig(**row["down"]), GemmConfig(**direct) if direct else None)
+
+
 def save_table(path: Path, table: dict[int, MoEConfig]) -> None:
-    """Write a tuned table: ``{"M": {"up": {...}, "down": {...}}}`` sorted by M."""
-    rows = {str(m): {"up": asdict(c.up), "down": asdict(c.down)} for m, c in sorted(table.items())}
+    """Write a tuned table: ``{"M": {"up": {...}, "down": {...}[, "direct_down": {...}]}}`` sorted by M."""
+    rows = {}
+    for m, c in sorted(table.items()):
+        rows[str(m)] = {"up": asdict(c.up), "down": asdict(c.down)}
+        if c.direct_down is not None:
+            rows[str(m)]["direct_down"] = asdict(c.direct_down)
     path.write_text(json.dumps(rows, indent=1) + "\n")
 
 
@@ -139,6 +150,51 @@ def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str |
         if block_k_cap is None or (cfg.up.block_k <= block_k_cap and cfg.down.block_k <= block_k_cap):
             return cfg
     return _heuristic(m, e, n, k, topk, block_k_cap)
+
+
+# M * topk at or below which a Standard-format layer takes the decode path (no align stage,
+# one row block per slot, the down GEMM sums each token's slots); measured on the H200 in
+# bench/results/decode_route_h200.md
+DIRECT_MAX_SLOTS = 16
+
+_ROUTE_OVERRIDE: list[str] = []
+
+
+@contextlib.contextmanager
+def override_route(route: str) -> Iterator[None]:
+    """Force the decode path ("direct") or the aligned path ("sorted") for every Standard-format
+    layer call inside the block (tests, benchmarks)."""
+    if route not in ("direct", "sorted"):
+        raise ValueError(f"route must be 'direct' or 'sorted', got {route!r}")
+    _ROUTE_OVERRIDE.append(route)
+    try:
+        yield
+    finally:
+        _ROUTE_OVERRIDE.pop()
+
+
+def use_direct_route(m: int, topk: int) -> bool:
+    """Whether a layer call of ``m`` tokens takes the decode path."""
+    if _ROUTE_OVERRIDE:
+        return _ROUTE_OVERRIDE[-1] == "direct"
+    return m * topk <= DIRECT_MAX_SLOTS
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def direct_down_config(cfg: MoEConfig, m: int, k: int, device: torch.device,
+                       block_shape: tuple[int, int] | None = None) -> GemmConfig:
+    """Tiles of the decode path's down GEMM (output (m, k)): the table's ``direct_down``, else
+    the widest block_n that still gives two programs per SM (one program per token and block)."""
+    if cfg.direct_down is not None:
+        return cfg.direct_down
+    sms = _cuda_sm_count(device.index) if device.type == "cuda" else 1
+    bn = next((b for b in (64, 32) if m * -(-k // b) >= 2 * sms), 16)
+    bk = min(128, block_shape[1]) if block_shape else 128
+    return GemmConfig(16, bn, bk, num_warps=4, num_stages=4)
 
 
 def get_config(

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from tmoe.config import get_config
+from dataclasses import replace
+
+from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.moe_gemm import Routing, Scales, invoke_moe_gemm
+from tmoe.kernels.gemm_args import Scales
+from tmoe.kernels.moe_down_reduce import moe_down_reduce
+from tmoe.kernels.moe_gemm import DirectRouting, Routing, invoke_moe_gemm
 from tmoe.modular import FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute
 from tmoe.quantize import quantize_activations
 
@@ -33,20 +37,20 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         g = qc.block_shape[1]
         return g if n % g == 0 and up_block_n % g == 0 else None
 
-    def _up(self, hidden_states, w1, shape: tuple[int, ...], workspace2, cfg, a1q_scale, w1_scale, a2_scale,
-            **gemm) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _up(self, hidden_states, w1, shape: tuple[int, ...], workspace2, up_cfg: GemmConfig, a1q_scale, w1_scale,
+            a2_scale, **gemm) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The up/gate GEMM into an intermediate of ``shape``; returns it quantized for the down
         GEMM (fused into the epilogue when the tiles allow) and its scales."""
         n = shape[-1]
         scales = self._scales(a1q_scale, w1_scale)
-        group = self._fused_quant_group(n, cfg.up.block_n, a2_scale)
+        group = self._fused_quant_group(n, up_cfg.block_n, a2_scale)
         if group is not None:
             inter = torch.empty(shape, dtype=self.quant_config.quant_dtype, device=hidden_states.device)
             inter_scale = torch.empty((*shape[:-1], n // group), dtype=torch.float32, device=hidden_states.device)
-            invoke_moe_gemm(hidden_states, w1, inter, cfg.up, gated=True, scales=scales, out_scale=inter_scale, **gemm)
+            invoke_moe_gemm(hidden_states, w1, inter, up_cfg, gated=True, scales=scales, out_scale=inter_scale, **gemm)
             return inter, inter_scale
         inter = workspace2.view(shape)
-        invoke_moe_gemm(hidden_states, w1, inter, cfg.up, gated=True, scales=scales, **gemm)
+        invoke_moe_gemm(hidden_states, w1, inter, up_cfg, gated=True, scales=scales, **gemm)
         return quantize_activations(inter, self.quant_config, a2_scale)
 
     def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device):
@@ -57,7 +61,8 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
 
 class TritonExperts(_TritonExpertsBase):
     """Standard format: align, fused up/gate GEMM with the activation, down GEMM; writes each
-    slot's expert output to ``output`` (M, topk, K)."""
+    slot's expert output to ``output`` (M, topk, K). Decode (``reduces_topk``; ``output`` is
+    (M, K)): no align, one row block per slot, and the down GEMM writes the weighted top-k sum."""
 
     @property
     def activation_formats(self):
@@ -65,6 +70,9 @@ class TritonExperts(_TritonExpertsBase):
 
     def supports_chunking(self) -> bool:
         return True
+
+    def reduces_topk(self, m: int, topk: int) -> bool:
+        return use_direct_route(m, topk)
 
     def workspace_shapes(self, a, m, n, k, topk, num_experts, local_num_experts):
         return (m * topk, k), (m * topk, n), (m, topk, k)
@@ -76,12 +84,23 @@ class TritonExperts(_TritonExpertsBase):
         topk = topk_ids.shape[1]
         n = w1.shape[1] // 2
         cfg = self._config(m, global_num_experts, n, k, topk, hidden_states.device)
+        weights = topk_weights.reshape(-1) if apply_router_weight_on_input else None
+        if output.dim() == 2:
+            a2q, a2q_scale = self._up(
+                hidden_states, w1, (m * topk, n), workspace2, replace(cfg.up, block_m=16), a1q_scale, w1_scale,
+                a2_scale, activation=activation, topk_weights=weights, bias=w1_bias,
+                routing=DirectRouting(topk_ids, global_num_experts, expert_map, topk),
+            )
+            down_cfg = direct_down_config(cfg, m, k, hidden_states.device, self.quant_config.block_shape)
+            moe_down_reduce(a2q, w2, output, topk_ids, global_num_experts, down_cfg,
+                            topk_weights=None if apply_router_weight_on_input else topk_weights,
+                            expert_map=expert_map, scales=self._scales(a2q_scale, w2_scale), bias=w2_bias)
+            return
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
             topk_ids, cfg.block_m, global_num_experts, expert_map
         )
-        weights = topk_weights.reshape(-1) if apply_router_weight_on_input else None
         a2q, a2q_scale = self._up(
-            hidden_states, w1, (m * topk, n), workspace2, cfg, a1q_scale, w1_scale, a2_scale, activation=activation,
+            hidden_states, w1, (m * topk, n), workspace2, cfg.up, a1q_scale, w1_scale, a2_scale, activation=activation,
             routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk), topk_weights=weights,
             bias=w1_bias,
         )
@@ -114,7 +133,7 @@ class BatchedTritonExperts(_TritonExpertsBase):
         e, cap, k = hidden_states.shape
         n = w1.shape[1] // 2
         cfg = self._config(cap, e, n, k, 1, hidden_states.device)
-        a2q, a2q_scale = self._up(hidden_states, w1, (e, cap, n), workspace2, cfg, a1q_scale, w1_scale, a2_scale,
+        a2q, a2q_scale = self._up(hidden_states, w1, (e, cap, n), workspace2, cfg.up, a1q_scale, w1_scale, a2_scale,
                                   activation=activation, expert_num_tokens=expert_num_tokens, bias=w1_bias)
         invoke_moe_gemm(a2q, w2, output, cfg.down, gated=False, expert_num_tokens=expert_num_tokens,
                         scales=self._scales(a2q_scale, w2_scale), bias=w2_bias)

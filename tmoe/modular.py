@@ -107,7 +107,13 @@ class FusedMoEPrepareAndFinalize(ABC):
         topk_ids: torch.Tensor, apply_router_weight_on_input: bool, *, num_experts: int,
         expert_map: torch.Tensor | None, prepared: PrepareResult,
     ) -> None:
-        """Write sum_t w[m, t] * expert_output(m, t) into ``output`` (M, K) in place."""
+        """Write sum_t w[m, t] * expert_output(m, t) into ``output`` (M, K) in place.
+        ``fused_expert_output`` is (M', topk, K) per slot, or (M', K) already summed."""
+
+    def accepts_reduced_output(self) -> bool:
+        """Whether finalize takes the experts' weighted top-k sum (M, K) in place of per-slot
+        outputs, so that experts which reduce (``reduces_topk``) write the layer output."""
+        return False
 
     def topk_indices_dtype(self) -> torch.dtype | None:
         return None
@@ -135,6 +141,11 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
         return False
 
     def supports_expert_map(self) -> bool:
+        return False
+
+    def reduces_topk(self, m: int, topk: int) -> bool:
+        """Whether apply() at ``m`` tokens can write the weighted top-k sum itself: it is then
+        handed an (M, K) ``output`` (when the PrepareAndFinalize accepts reduced output)."""
         return False
 
     @abstractmethod

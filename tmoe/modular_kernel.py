@@ -123,8 +123,9 @@ class FusedMoEModularKernel(nn.Module):
                                                       num_experts, e_local)
             ws13 = workspace13[: math.prod(s13)].view(s13)
             ws2 = workspace2[: math.prod(s2)].view(s2)
-            fused_out = ws13.view(s_out)
             prepared = pf.prepare(x, weights, ids, num_experts, expert_map, apply_router_weight_on_input, qc, a1_scale)
+            reduced = pf.accepts_reduced_output() and experts.reduces_topk(prepared.a1q.shape[0], topk)
+            fused_out = output[start:end] if reduced else ws13.view(s_out)
             expert_ids = prepared.topk_ids if prepared.topk_ids is not None else ids
             expert_weights = prepared.topk_weights if prepared.topk_weights is not None else weights
             experts.apply(fused_out, prepared.a1q, w1, w2, expert_weights, expert_ids, activation, num_experts,

@@ -10,7 +10,8 @@ import torch
 from tmoe.checks import FP8_DTYPES
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
-from tmoe.kernels.moe_gemm import Routing, Scales, check_gemm_operands, invoke_moe_gemm
+from tmoe.kernels.gemm_args import Scales, check_gemm_operands
+from tmoe.kernels.moe_gemm import Routing, invoke_moe_gemm
 from tmoe.kernels.quant import (
     FP8_DTYPE,
     alloc_group_scales,

@@ -10,7 +10,7 @@ from tmoe.quantize import quantize_activations
 
 class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
     """One device, no expert parallelism: prepare quantizes (or passes through); finalize is
-    the weighted top-k reduce."""
+    the weighted top-k reduce, or nothing when the experts wrote the reduced output."""
 
     @property
     def activation_format(self) -> FusedMoEActivationFormat:
@@ -21,8 +21,15 @@ class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         a1q, scale = quantize_activations(a1, quant_config, a1_scale)
         return PrepareResult(a1q, scale)
 
+    def accepts_reduced_output(self) -> bool:
+        return True
+
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
                  num_experts, expert_map, prepared) -> None:
+        if fused_expert_output.dim() == 2:  # the experts wrote the weighted sum
+            if fused_expert_output.data_ptr() != output.data_ptr():
+                output.copy_(fused_expert_output)
+            return
         weights = None if apply_router_weight_on_input else topk_weights
         moe_reduce(fused_expert_output, topk_ids, num_experts, weights, expert_map, out=output)
 

@@ -5,7 +5,8 @@ shared, so the pair with the best summed time wins). fp8 (``--quant fp8_block|fp
 weights quantized as checkpoints carry them, and the up GEMM is timed together with the
 intermediate's quantization (in its epilogue when the tile allows, else the quant stage).
 Results are written after every M, and M values already in the output file are skipped, so
-an interrupted run resumes.
+an interrupted run resumes. ``--direct`` tunes the decode path's down GEMM (fused top-k
+reduce) at the given M values of an existing table, adding ``direct_down`` to those rows.
 """
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from tmoe.benchmark_peers import quantize_fp8
-from tmoe.config import GemmConfig, MoEConfig, config_file_name, device_name, save_table
+from tmoe.config import GemmConfig, MoEConfig, config_file_name, config_from_row, device_name, save_table
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.moe_gemm import Routing, Scales, invoke_moe_gemm
+from tmoe.kernels.gemm_args import Scales
+from tmoe.kernels.moe_down_reduce import moe_down_reduce
+from tmoe.kernels.moe_gemm import Routing, invoke_moe_gemm
 from tmoe.kernels.quant import per_token_group_quant_fp8, per_token_quant_fp8
 
 SHAPES = {"mixtral": (8, 14336, 4096, 2), "qwen3": (128, 768, 2048, 8), "deepseek": (256, 2048, 7168, 8)}
@@ -36,6 +39,9 @@ FP8_SMALL_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128
                    (64, 256, 4, 3), (16, 256, 4, 4)]
 FP8_LARGE_TILES = [(64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3),
                    (128, 64, 8, 4)]
+# the decode path's down GEMM: one program per (token, block_n columns), so narrow tiles
+DIRECT_DOWN_TILES = [(16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 128, 4, 6), (32, 128, 4, 4),
+                     (32, 128, 4, 5), (32, 256, 4, 3), (64, 128, 4, 4)]
 QUANTS = {"none": None, "fp8_block": (128, 128), "fp8_token": None}
 
 
@@ -136,6 +142,29 @@ def tune_m(m: int, p: Problem) -> tuple[MoEConfig, float]:
     return best
 
 
+def tune_direct_down(m: int, p: Problem) -> tuple[GemmConfig, float]:
+    """Best decode-path down GEMM config at ``m`` tokens and its time in µs."""
+    e, n, k, topk = p.w2.shape[0], p.w2.shape[2], p.w2.shape[1], p.topk
+    ids = torch.topk(torch.randn(m, e, device="cuda"), topk).indices.to(torch.int32)
+    weights = torch.rand(m, topk, device="cuda")
+    inter_q, inter_scale = p.quantize(torch.randn(m * topk, n, device="cuda", dtype=torch.bfloat16))
+    out = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    cap = QUANTS[p.quant][1] if QUANTS[p.quant] else 1 << 30
+    timed = []
+    for bn, bk, warps, stages in DIRECT_DOWN_TILES:
+        if bk > cap:
+            continue
+        cfg = GemmConfig(16, bn, bk, 8, warps, stages)
+        fn = lambda: moe_down_reduce(inter_q, p.w2, out, ids, e, cfg, topk_weights=weights,  # noqa: E731
+                                     scales=p.scales(inter_scale, p.w2_scale))
+        try:
+            timed.append((_time_us(fn), cfg))
+        except Exception as err:  # a config that does not fit shared memory: skip it
+            print(f"    skip {cfg}: {type(err).__name__}", flush=True)
+    us, cfg = min(timed, key=lambda t: t[0])
+    return cfg, us
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m tmoe tune", description=__doc__)
     ap.add_argument("--shape", required=True, help=f"one of {sorted(SHAPES)} or E,N,K,topk")
@@ -143,6 +172,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--quant", default="none", choices=sorted(QUANTS))
     ap.add_argument("--out", default=str(Path(__file__).parent / "configs"))
+    ap.add_argument("--direct", action="store_true", help="add decode-path down tiles to the table's rows")
     args = ap.parse_args(argv)
     e, n, k, topk = SHAPES.get(args.shape) or tuple(int(v) for v in args.shape.split(","))
     path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")),
@@ -151,10 +181,19 @@ def main(argv: list[str]) -> int:
     table: dict[int, MoEConfig] = {}
     if path.is_file():
         raw = json.loads(path.read_text())
-        table = {int(m): MoEConfig(GemmConfig(**r["up"]), GemmConfig(**r["down"])) for m, r in raw.items()}
+        table = {int(m): config_from_row(r) for m, r in raw.items()}
     ms = [int(v) for v in args.ms.split(",")]
     problem = make_problem(e, n, k, topk, getattr(torch, args.dtype), args.quant)
     for i, m in enumerate(ms):
+        if args.direct:
+            if m not in table or table[m].direct_down is not None:
+                print(f"[{i + 1}/{len(ms)}] M={m}: {'no row' if m not in table else 'already tuned'}", flush=True)
+                continue
+            cfg, us = tune_direct_down(m, problem)
+            table[m] = replace(table[m], direct_down=cfg)
+            save_table(path, table)
+            print(f"[{i + 1}/{len(ms)}] M={m}: direct down {us:.1f} us {cfg}", flush=True)
+            continue
         if m in table:
             print(f"[{i + 1}/{len(ms)}] M={m}: already tuned", flush=True)
             continue

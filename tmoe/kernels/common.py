@@ -40,6 +40,17 @@ def tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def local_expert(topk_ids_ptr, expert_map_ptr, slot, num_experts, HAS_MAP: tl.constexpr):
+    """The local expert (int64) of ``slot``: topk_ids[slot], mapped through expert_map when
+    HAS_MAP; -1 when the id is outside [0, num_experts) or the expert is remote."""
+    expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
+    valid = (expert >= 0) & (expert < num_experts)
+    if HAS_MAP:
+        expert = tl.load(expert_map_ptr + expert, mask=valid, other=-1).to(tl.int64)
+    return tl.where(valid, expert, -1)
+
+
+@triton.jit
 def moe_tile_matmul(
     a_ptrs,  # [BM, BK] pointers at k = 0
     b_ptrs,  # [BK, BN] pointers at k = 0

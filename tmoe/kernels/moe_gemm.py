@@ -1,22 +1,26 @@
 """The two expert GEMMs: fused up/gate + activation, and down (optionally times the router weight).
 
-One kernel serves both (``GATED`` selects the epilogue) and both activation formats:
-Standard (rows found through the sorted slot ids of the align stage) and BatchedExperts
-(rows ``[0, expert_num_tokens[e])`` of each expert's fixed-capacity batch). The grid covers
-the worst case; programs read the real token counts from device memory and return early.
-All row and expert offsets are int64.
+One kernel serves both (``GATED`` selects the epilogue) and three row layouts (``ROUTE``):
+"sorted" (Standard format, rows found through the sorted slot ids of the align stage),
+"batched" (BatchedExperts, rows ``[0, expert_num_tokens[e])`` of each expert's fixed-capacity
+batch) and "direct" (Standard format without the align stage: one program row per slot, its
+expert read from topk_ids; for decode, where nearly every slot has an expert of its own). The
+grid covers the worst case; programs read the real token counts from device memory and
+return early. All row and expert offsets are int64.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
 from tmoe.config import GemmConfig
-from tmoe.kernels.common import abs_no_nan, act_and_mul, cdiv, fp8_scale, moe_tile_matmul, tile_ids, to_fp8
+from tmoe.kernels.common import (
+    abs_no_nan, act_and_mul, cdiv, fp8_scale, local_expert, moe_tile_matmul, tile_ids, to_fp8,
+)
+from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -34,8 +38,10 @@ def _moe_gemm_kernel(
     expert_ids_ptr,  # [EM // BLOCK_M] int32, Standard only
     num_post_padded_ptr,  # [1] int32, Standard only
     expert_num_tokens_ptr,  # [E] int32, Batched only
+    topk_ids_ptr,  # [num_slots] int32/int64, direct only
+    expert_map_ptr,  # [num_experts] int32 global -> local id or -1 (HAS_MAP), direct only
     out_scale_ptr,  # QUANT_OUT: [rows, cdiv(N, GROUP_OUT)] float32 (Batched: [E, cap, ...])
-    N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert,
+    N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert, num_experts,
     stride_ae, stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_oe, stride_om, stride_on,
@@ -46,11 +52,11 @@ def _moe_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATED: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
-    BATCHED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_bm = tl.arange(0, BLOCK_M)
-    if BATCHED:
+    if ROUTE == "batched":
         expert = (pid_m // blocks_per_expert).to(tl.int64)
         first_row = (pid_m % blocks_per_expert) * BLOCK_M
         num_rows = tl.load(expert_num_tokens_ptr + expert)
@@ -63,11 +69,16 @@ def _moe_gemm_kernel(
         scale_rows = expert * stride_ase + rows * stride_asm
         out_scale_rows = expert * stride_ose + rows * stride_osm
     else:
-        if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-            return
-        slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + offs_bm).to(tl.int64)  # [BM]
-        mask_m = slots < num_slots
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        if ROUTE == "direct":  # row 0 of the block is slot pid_m, the other rows are masked
+            slots = pid_m.to(tl.int64) + offs_bm  # [BM]
+            mask_m = offs_bm == 0
+            expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, HAS_MAP)
+        else:
+            if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+                return
+            slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + offs_bm).to(tl.int64)  # [BM]
+            mask_m = slots < num_slots
+            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         a_rows = (slots // a_row_div) * stride_am
         out_rows = slots * stride_om
         scale_rows = (slots // a_row_div) * stride_asm
@@ -76,7 +87,7 @@ def _moe_gemm_kernel(
     mask_n = offs_n < N
     out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on  # [BM, BN]
     mask_out = mask_m[:, None] & mask_n[None, :]
-    if expert < 0:  # a remote expert (expert_map): its slots contribute exactly zero
+    if expert < 0:  # a remote (expert_map) or, direct, out-of-range expert: its slots contribute exactly zero
         tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask_out)
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -137,74 +148,14 @@ class Routing:
 
 
 @dataclass(frozen=True)
-class Scales:
-    """fp8 dequantization scales. ``block_shape`` None: a_scale has 1 or rows elements
-    (per-tensor / per-token), w_scale (E,) or (E, N_w[, 1]) (per-tensor / per-channel).
-    ``[bn, bk]``: a_scale (rows, cdiv(K, bk)), w_scale (E, cdiv(N_w, bn), cdiv(K, bk))."""
+class DirectRouting:
+    """Standard-format rows without the align stage: slot s is row s // a_row_div of A and its
+    expert is ``topk_ids[s]`` (mapped through ``expert_map``; out of range or remote: zero)."""
 
-    a_scale: torch.Tensor
-    w_scale: torch.Tensor
-    block_shape: tuple[int, int] | None = None
-
-
-def _scale_args(scales: Scales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> dict:
-    if scales is None:
-        dummy = a.new_empty(0, dtype=torch.float32)
-        return dict(a_scale_ptr=dummy, w_scale_ptr=dummy, stride_ase=0, stride_asm=0, stride_ask=0,
-                    stride_wse=0, stride_wsn=0, stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="none")
-    a_s, w_s = scales.a_scale, scales.w_scale
-    check_tensor("a_scale", a_s, dtypes=(torch.float32,), device=a.device)
-    check_tensor("w_scale", w_s, dtypes=(torch.float32,), device=a.device)
-    e, n_w, k = w.shape
-    batched = a.dim() == 3
-    if scales.block_shape is not None:
-        gn, gk = scales.block_shape
-        if gk % config.block_k:
-            raise ValueError(f"block_shape[1]={gk} must be a multiple of block_k={config.block_k}")
-        want_a = (*a.shape[:-1], cdiv(k, gk))
-        want_w = (e, cdiv(n_w, gn), cdiv(k, gk))
-        if tuple(a_s.shape) != want_a:
-            raise ValueError(f"a_scale must have shape {want_a} for block quantization, got {tuple(a_s.shape)}")
-        if tuple(w_s.shape) != want_w:
-            raise ValueError(f"w_scale must have shape {want_w} for block quantization, got {tuple(w_s.shape)}")
-        a_st = (a_s.stride(0) if batched else 0, a_s.stride(-2), a_s.stride(-1))
-        w_st = w_s.stride()
-        return dict(a_scale_ptr=a_s, w_scale_ptr=w_s, stride_ase=a_st[0], stride_asm=a_st[1], stride_ask=a_st[2],
-                    stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=w_st[2], GROUP_N=gn, GROUP_K=gk, QUANT="block")
-    if a_s.numel() == 1:
-        a_st = (0, 0)
-    elif a_s.numel() == a.numel() // a.shape[-1]:
-        a_st = (a_s.stride(0), a_s.stride(1)) if batched else (0, a_s.stride(0))
-    else:
-        raise ValueError(f"a_scale must have 1 or {a.numel() // a.shape[-1]} (one per row) elements, got {a_s.numel()}")
-    if w_s.numel() == e:
-        w_st = (w_s.stride(0), 0)
-    elif w_s.numel() == e * n_w:
-        w_st = (w_s.stride(0), w_s.stride(1))
-    else:
-        raise ValueError(f"w_scale must have {e} (per tensor) or {e * n_w} (per channel) elements, got {w_s.numel()}")
-    return dict(a_scale_ptr=a_s, w_scale_ptr=w_s, stride_ase=a_st[0], stride_asm=a_st[1], stride_ask=0,
-                stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="scaled")
-
-
-SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper allows 227 KB per block, leave room for the epilogue
-
-
-def fit_shared_memory(config: GemmConfig, elem_size: int, gated: bool) -> GemmConfig:
-    """Fewer pipeline stages, then a smaller block_k, until the staged A and B tiles fit."""
-    tile_n = config.block_n * (2 if gated else 1)
-
-    def need(stages: int, block_k: int) -> int:
-        return stages * block_k * (config.block_m + tile_n) * elem_size
-
-    stages, block_k = config.num_stages, config.block_k
-    while need(stages, block_k) > SHARED_MEMORY_BUDGET and stages > 2:
-        stages -= 1
-    while need(stages, block_k) > SHARED_MEMORY_BUDGET and block_k > 16:
-        block_k //= 2
-    if (stages, block_k) == (config.num_stages, config.block_k):
-        return config
-    return replace(config, num_stages=stages, block_k=block_k)
+    topk_ids: torch.Tensor  # [M, topk] int32/int64, contiguous
+    num_experts: int  # global expert count
+    expert_map: torch.Tensor | None = None  # [num_experts] int32
+    a_row_div: int = 1
 
 
 def invoke_moe_gemm(
@@ -215,7 +166,7 @@ def invoke_moe_gemm(
     *,
     gated: bool,
     activation: str = "silu",
-    routing: Routing | None = None,
+    routing: Routing | DirectRouting | None = None,
     expert_num_tokens: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
     scales: Scales | None = None,
@@ -223,8 +174,8 @@ def invoke_moe_gemm(
     out_scale: torch.Tensor | None = None,
     quant_eps: float = 1e-10,
 ) -> torch.Tensor:
-    """Launch one expert GEMM into ``out``; exactly one of ``routing`` (Standard) and
-    ``expert_num_tokens`` (Batched) is given. ``topk_weights`` ([num_slots] float32) multiplies
+    """Launch one expert GEMM into ``out``; exactly one of ``routing`` (Standard: aligned or
+    direct, with ``config.block_m`` 16 for direct) and ``expert_num_tokens`` (Batched) is given. ``topk_weights`` ([num_slots] float32) multiplies
     each slot's accumulator (Standard only); ``bias`` (E, N_w) is added per expert before the
     activation (gated) or before the weight (down). ``out_scale`` (gated, fp8 ``out``): the epilogue
     quantizes per 1 x g group, g = N_out // out_scale.shape[-1] (a divisor of ``config.block_n``),
@@ -234,21 +185,25 @@ def invoke_moe_gemm(
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     batched = routing is None
+    dummy_i32 = w  # never read
+    route = dict(sorted_ids_ptr=dummy_i32, expert_ids_ptr=dummy_i32, num_post_padded_ptr=dummy_i32,
+                 expert_num_tokens_ptr=dummy_i32, topk_ids_ptr=dummy_i32, expert_map_ptr=dummy_i32,
+                 num_experts=0, HAS_MAP=False, stride_ae=0, stride_oe=0, blocks_per_expert=1)
     if batched:
         cap = a.shape[1]
-        blocks_per_expert = cdiv(cap, config.block_m)
-        num_pid_m = w.shape[0] * blocks_per_expert
-        dummy_i32 = expert_num_tokens
-        route = dict(sorted_ids_ptr=dummy_i32, expert_ids_ptr=dummy_i32, num_post_padded_ptr=dummy_i32,
-                     expert_num_tokens_ptr=expert_num_tokens, num_slots=0, a_row_div=1,
-                     stride_ae=a.stride(0), stride_oe=out.stride(0))
+        route.update(ROUTE="batched", blocks_per_expert=cdiv(cap, config.block_m), num_slots=0, a_row_div=1,
+                     expert_num_tokens_ptr=expert_num_tokens, stride_ae=a.stride(0), stride_oe=out.stride(0))
+        num_pid_m = w.shape[0] * route["blocks_per_expert"]
+    elif isinstance(routing, DirectRouting):
+        num_pid_m = routing.topk_ids.numel()
+        route.update(ROUTE="direct", topk_ids_ptr=routing.topk_ids, num_experts=routing.num_experts,
+                     num_slots=num_pid_m, a_row_div=routing.a_row_div, HAS_MAP=routing.expert_map is not None,
+                     expert_map_ptr=routing.expert_map if routing.expert_map is not None else dummy_i32)
     else:
-        blocks_per_expert = 1
         num_pid_m = routing.expert_ids.shape[0]
-        route = dict(sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
+        route.update(ROUTE="sorted", sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
                      num_post_padded_ptr=routing.num_tokens_post_padded,
-                     expert_num_tokens_ptr=routing.num_tokens_post_padded,
-                     num_slots=routing.num_slots, a_row_div=routing.a_row_div, stride_ae=0, stride_oe=0)
+                     num_slots=routing.num_slots, a_row_div=routing.a_row_div)
     if num_pid_m == 0 or n == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), gated)
@@ -264,15 +219,15 @@ def invoke_moe_gemm(
         HAS_BIAS=bias is not None,
         out_scale_ptr=out_scale if out_scale is not None else w, stride_ose=os_st[0], stride_osm=os_st[1],
         stride_osg=os_st[2], quant_eps=quant_eps, QUANT_OUT=out_scale is not None, GROUP_OUT=group_out,
-        N=n, K=k, num_pid_m=num_pid_m, blocks_per_expert=blocks_per_expert,
+        N=n, K=k, num_pid_m=num_pid_m,
         stride_am=a.stride(-2), stride_ak=a.stride(-1),
         stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
         stride_om=out.stride(-2), stride_on=out.stride(-1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        GATED=gated, ACTIVATION=activation, MUL_ROUTED_WEIGHT=topk_weights is not None, BATCHED=batched,
+        GATED=gated, ACTIVATION=activation, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **route, **_scale_args(scales, a, w, config),
+        **route, **scale_args(scales, a, w, config),
     )
     return out
 
@@ -285,16 +240,3 @@ def fused_quant_group(n: int, num_groups: int, config: GemmConfig, gated: bool) 
         raise ValueError(f"epilogue quantization needs the gated GEMM and groups dividing N={n} and "
                          f"block_n={config.block_n}; got {num_groups} groups")
     return group
-
-
-def check_gemm_operands(a_name: str, a: torch.Tensor, w_name: str, w: torch.Tensor, k_dim: str) -> None:
-    """``a`` (..., K) and ``w`` (E, N_w, K) on one device, float or fp8 (both or neither)."""
-    dtypes = FLOAT_DTYPES + FP8_DTYPES
-    check_tensor(a_name, a, dtypes=dtypes)
-    check_tensor(w_name, w, dtypes=dtypes, ndim=3, device=a.device)
-    if (a.dtype in FP8_DTYPES) != (w.dtype in FP8_DTYPES):
-        raise TypeError(f"{a_name} ({a.dtype}) and {w_name} ({w.dtype}) must both be fp8 or both not")
-    if a.dtype not in FP8_DTYPES and a.dtype != w.dtype:
-        raise TypeError(f"{a_name} ({a.dtype}) and {w_name} ({w.dtype}) must have the same dtype")
-    if a.shape[-1] != w.shape[2]:
-        raise ValueError(f"{a_name} has {k_dim}={a.shape[-1]} but {w_name} has {w.shape[2]} in its last dimension")

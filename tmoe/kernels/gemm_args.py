@@ -1,0 +1,95 @@
+"""Launch arguments shared by the expert GEMM kernels: fp8 scales and their strides, the
+shared-memory fit of a tile config, operand checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
+from tmoe.config import GemmConfig
+from tmoe.kernels.common import cdiv
+
+
+@dataclass(frozen=True)
+class Scales:
+    """fp8 dequantization scales. ``block_shape`` None: a_scale has 1 or rows elements
+    (per-tensor / per-token), w_scale (E,) or (E, N_w[, 1]) (per-tensor / per-channel).
+    ``[bn, bk]``: a_scale (rows, cdiv(K, bk)), w_scale (E, cdiv(N_w, bn), cdiv(K, bk))."""
+
+    a_scale: torch.Tensor
+    w_scale: torch.Tensor
+    block_shape: tuple[int, int] | None = None
+
+
+def scale_args(scales: Scales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> dict:
+    if scales is None:
+        dummy = a.new_empty(0, dtype=torch.float32)
+        return dict(a_scale_ptr=dummy, w_scale_ptr=dummy, stride_ase=0, stride_asm=0, stride_ask=0,
+                    stride_wse=0, stride_wsn=0, stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="none")
+    a_s, w_s = scales.a_scale, scales.w_scale
+    check_tensor("a_scale", a_s, dtypes=(torch.float32,), device=a.device)
+    check_tensor("w_scale", w_s, dtypes=(torch.float32,), device=a.device)
+    e, n_w, k = w.shape
+    batched = a.dim() == 3
+    if scales.block_shape is not None:
+        gn, gk = scales.block_shape
+        if gk % config.block_k:
+            raise ValueError(f"block_shape[1]={gk} must be a multiple of block_k={config.block_k}")
+        want_a = (*a.shape[:-1], cdiv(k, gk))
+        want_w = (e, cdiv(n_w, gn), cdiv(k, gk))
+        if tuple(a_s.shape) != want_a:
+            raise ValueError(f"a_scale must have shape {want_a} for block quantization, got {tuple(a_s.shape)}")
+        if tuple(w_s.shape) != want_w:
+            raise ValueError(f"w_scale must have shape {want_w} for block quantization, got {tuple(w_s.shape)}")
+        a_st = (a_s.stride(0) if batched else 0, a_s.stride(-2), a_s.stride(-1))
+        w_st = w_s.stride()
+        return dict(a_scale_ptr=a_s, w_scale_ptr=w_s, stride_ase=a_st[0], stride_asm=a_st[1], stride_ask=a_st[2],
+                    stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=w_st[2], GROUP_N=gn, GROUP_K=gk, QUANT="block")
+    if a_s.numel() == 1:
+        a_st = (0, 0)
+    elif a_s.numel() == a.numel() // a.shape[-1]:
+        a_st = (a_s.stride(0), a_s.stride(1)) if batched else (0, a_s.stride(0))
+    else:
+        raise ValueError(f"a_scale must have 1 or {a.numel() // a.shape[-1]} (one per row) elements, got {a_s.numel()}")
+    if w_s.numel() == e:
+        w_st = (w_s.stride(0), 0)
+    elif w_s.numel() == e * n_w:
+        w_st = (w_s.stride(0), w_s.stride(1))
+    else:
+        raise ValueError(f"w_scale must have {e} (per tensor) or {e * n_w} (per channel) elements, got {w_s.numel()}")
+    return dict(a_scale_ptr=a_s, w_scale_ptr=w_s, stride_ase=a_st[0], stride_asm=a_st[1], stride_ask=0,
+                stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="scaled")
+
+
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper allows 227 KB per block, leave room for the epilogue
+
+
+def fit_shared_memory(config: GemmConfig, elem_size: int, gated: bool) -> GemmConfig:
+    """Fewer pipeline stages, then a smaller block_k, until the staged A and B tiles fit."""
+    tile_n = config.block_n * (2 if gated else 1)
+
+    def need(stages: int, block_k: int) -> int:
+        return stages * block_k * (config.block_m + tile_n) * elem_size
+
+    stages, block_k = config.num_stages, config.block_k
+    while need(stages, block_k) > SHARED_MEMORY_BUDGET and stages > 2:
+        stages -= 1
+    while need(stages, block_k) > SHARED_MEMORY_BUDGET and block_k > 16:
+        block_k //= 2
+    if (stages, block_k) == (config.num_stages, config.block_k):
+        return config
+    return replace(config, num_stages=stages, block_k=block_k)
+
+
+def check_gemm_operands(a_name: str, a: torch.Tensor, w_name: str, w: torch.Tensor, k_dim: str) -> None:
+    """``a`` (..., K) and ``w`` (E, N_w, K) on one device, float or fp8 (both or neither)."""
+    dtypes = FLOAT_DTYPES + FP8_DTYPES
+    check_tensor(a_name, a, dtypes=dtypes)
+    check_tensor(w_name, w, dtypes=dtypes, ndim=3, device=a.device)
+    if (a.dtype in FP8_DTYPES) != (w.dtype in FP8_DTYPES):
+        raise TypeError(f"{a_name} ({a.dtype}) and {w_name} ({w.dtype}) must both be fp8 or both not")
+    if a.dtype not in FP8_DTYPES and a.dtype != w.dtype:
+        raise TypeError(f"{a_name} ({a.dtype}) and {w_name} ({w.dtype}) must have the same dtype")
+    if a.shape[-1] != w.shape[2]:
+        raise ValueError(f"{a_name} has {k_dim}={a.shape[-1]} but {w_name} has {w.shape[2]} in its last dimension")
