@@ -166,10 +166,13 @@ def test_direct_route_runs_no_align_and_no_reduce(monkeypatch):
     assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), torch.float32)
 
 
-@pytest.mark.parametrize("m, topk, direct", [(1, 8, True), (2, 8, True), (3, 8, False), (8, 2, True), (9, 2, False)])
-def test_route_by_slot_count(m, topk, direct):
-    assert tmoe.config.use_direct_route(m, topk) is direct
-    assert tmoe.config.DIRECT_MAX_SLOTS == 16
+@pytest.mark.parametrize("m, topk", [(1, 8), (2, 8), (1, 1), (4096, 8)])
+def test_route_by_slot_count(m, topk, monkeypatch):
+    assert tmoe.config.use_direct_route(m, topk) is (m * topk <= tmoe.config.DIRECT_MAX_SLOTS)
+    monkeypatch.setattr(tmoe.config, "DIRECT_MAX_SLOTS", 16)
+    assert tmoe.config.use_direct_route(m, topk) is (m * topk <= 16)
+    with tmoe.override_route("sorted"):
+        assert not tmoe.config.use_direct_route(m, topk)
 
 
 def test_bad_bias_shape():

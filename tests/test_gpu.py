@@ -33,7 +33,7 @@ def _routing(m, e, topk):
 def test_model_shapes_bf16(model):
     e, n, k, topk = MODEL_SHAPES[model]
     w1, w2 = _weights(e, n, k)
-    for m in (1, 8, 64, 1024):  # M=1, and Mixtral M=8 (16 slots): the decode path (no align)
+    for m in (1, 8, 64, 1024):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weights, ids = _routing(m, e, topk)
         out = tmoe.fused_experts(x, w1, w2, weights, ids)
@@ -166,7 +166,7 @@ def test_model_shapes_fp8(model, scheme):
 
     w1q, s1, w1d = quantized(2 * n, k)
     w2q, s2, w2d = quantized(k, n)
-    for m in (1, 8, 64, 1024):  # M=1, and Mixtral M=8 (16 slots): the decode path (no align)
+    for m in (1, 8, 64, 1024):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weights, ids = _routing(m, e, topk)
         out = tmoe.fused_experts(x, w1q, w2q, weights, ids, quant_config=config, w1_scale=s1, w2_scale=s2)

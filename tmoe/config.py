@@ -153,9 +153,12 @@ def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str |
 
 
 # M * topk at or below which a Standard-format layer takes the decode path (no align stage,
-# one row block per slot, the down GEMM sums each token's slots); measured on the H200 in
-# bench/results/decode_route_h200.md
-DIRECT_MAX_SLOTS = 16
+# one row block per slot, the down GEMM sums each token's slots). 0: off by default. Measured
+# on the H200 (bench/results/2026-12-03_decode_route.md): the decode path wins only at
+# DeepSeek-V3 bf16 M<=2 (169 vs 178 us at M=1) and loses elsewhere (its down GEMM, one
+# program per token, streams weights slower than the aligned one), so it is opt-in
+# through override_route("direct") until its down GEMM is faster.
+DIRECT_MAX_SLOTS = 0
 
 _ROUTE_OVERRIDE: list[str] = []
 
