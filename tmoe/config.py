@@ -15,6 +15,8 @@ from typing import Iterator
 
 import torch
 
+from tmoe.kernels.common import cdiv
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -96,15 +98,18 @@ def _load_table(file_name: str, dirs: tuple[Path, ...]) -> dict[int, MoEConfig] 
     for d in dirs:
         path = d / file_name
         if path.is_file():
-            raw = json.loads(path.read_text())
-            return {int(m): config_from_row(row) for m, row in raw.items()}
+            return read_table(path)
     return None
 
 
-def config_from_row(row: dict) -> MoEConfig:
-    """A table row ``{"up": {...}, "down": {...}[, "direct_down": {...}]}`` as a MoEConfig."""
-    direct = row.get("direct_down")
-    return MoEConfig(GemmConfig(**row["up"]), GemmConfig(**row["down"]), GemmConfig(**direct) if direct else None)
+def read_table(path: Path) -> dict[int, MoEConfig]:
+    """A tuned table ``{"M": {"up": {...}, "down": {...}[, "direct_down": {...}]}}`` by M."""
+    table = {}
+    for m, row in json.loads(path.read_text()).items():
+        direct = row.get("direct_down")
+        table[int(m)] = MoEConfig(GemmConfig(**row["up"]), GemmConfig(**row["down"]),
+                                  GemmConfig(**direct) if direct else None)
+    return table
 
 
 def save_table(path: Path, table: dict[int, MoEConfig]) -> None:
@@ -195,7 +200,7 @@ def direct_down_config(cfg: MoEConfig, m: int, k: int, device: torch.device,
     if cfg.direct_down is not None:
         return cfg.direct_down
     sms = _cuda_sm_count(device.index) if device.type == "cuda" else 1
-    bn = next((b for b in (64, 32) if m * -(-k // b) >= 2 * sms), 16)
+    bn = next((b for b in (64, 32) if m * cdiv(k, b) >= 2 * sms), 16)
     bk = min(128, block_shape[1]) if block_shape else 128
     return GemmConfig(16, bn, bk, num_warps=4, num_stages=4)
 

@@ -1,9 +1,9 @@
 """PermuteExpertsUnpermute implementations: Triton grouped GEMMs, Standard and Batched formats."""
 from __future__ import annotations
 
-import torch
-
 from dataclasses import replace
+
+import torch
 
 from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route
 from tmoe.kernels.align import moe_align_block_size

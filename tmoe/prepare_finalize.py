@@ -26,9 +26,7 @@ class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
                  num_experts, expert_map, prepared) -> None:
-        if fused_expert_output.dim() == 2:  # the experts wrote the weighted sum
-            if fused_expert_output.data_ptr() != output.data_ptr():
-                output.copy_(fused_expert_output)
+        if fused_expert_output.dim() == 2:  # the experts wrote the weighted sum into output itself
             return
         weights = None if apply_router_weight_on_input else topk_weights
         moe_reduce(fused_expert_output, topk_ids, num_experts, weights, expert_map, out=output)

@@ -11,7 +11,6 @@ reduce) at the given M values of an existing table, adding ``direct_down`` to th
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tmoe.benchmark_peers import quantize_fp8
-from tmoe.config import GemmConfig, MoEConfig, config_file_name, config_from_row, device_name, save_table
+from tmoe.config import GemmConfig, MoEConfig, config_file_name, device_name, read_table, save_table
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.gemm_args import Scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
@@ -64,6 +63,17 @@ def _time_us(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+
+
+def _fastest(configs: list[GemmConfig], run) -> tuple[float, GemmConfig]:
+    """(µs, config) of the fastest ``run(config)``; a config that fails (shared memory) is skipped."""
+    timed = []
+    for cfg in configs:
+        try:
+            timed.append((_time_us(lambda: run(cfg)), cfg))
+        except Exception as err:  # a config that does not fit shared memory: skip it
+            print(f"    skip {cfg}: {type(err).__name__}", flush=True)
+    return min(timed, key=lambda t: t[0])
 
 
 @dataclass(frozen=True)
@@ -126,17 +136,8 @@ def tune_m(m: int, p: Problem) -> tuple[MoEConfig, float]:
             invoke_moe_gemm(inter_q, p.w2, out, cfg, gated=False, routing=down_route,
                             scales=p.scales(inter_scale, p.w2_scale))
 
-        def fastest(gated: bool):
-            timed = []
-            for cfg in candidates(bm, gated, p.quant):
-                try:
-                    timed.append((_time_us(lambda: (up if gated else down)(cfg)), cfg))
-                except Exception as err:  # a config that does not fit shared memory: skip it
-                    print(f"    skip {cfg}: {type(err).__name__}", flush=True)
-            return min(timed, key=lambda t: t[0])
-
-        t_up, up_cfg = fastest(True)
-        t_down, down_cfg = fastest(False)
+        t_up, up_cfg = _fastest(candidates(bm, True, p.quant), up)
+        t_down, down_cfg = _fastest(candidates(bm, False, p.quant), down)
         if best is None or t_up + t_down < best[1]:
             best = (MoEConfig(up_cfg, down_cfg), t_up + t_down)
     return best
@@ -150,18 +151,9 @@ def tune_direct_down(m: int, p: Problem) -> tuple[GemmConfig, float]:
     inter_q, inter_scale = p.quantize(torch.randn(m * topk, n, device="cuda", dtype=torch.bfloat16))
     out = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
     cap = QUANTS[p.quant][1] if QUANTS[p.quant] else 1 << 30
-    timed = []
-    for bn, bk, warps, stages in DIRECT_DOWN_TILES:
-        if bk > cap:
-            continue
-        cfg = GemmConfig(16, bn, bk, 8, warps, stages)
-        fn = lambda: moe_down_reduce(inter_q, p.w2, out, ids, e, cfg, topk_weights=weights,  # noqa: E731
-                                     scales=p.scales(inter_scale, p.w2_scale))
-        try:
-            timed.append((_time_us(fn), cfg))
-        except Exception as err:  # a config that does not fit shared memory: skip it
-            print(f"    skip {cfg}: {type(err).__name__}", flush=True)
-    us, cfg = min(timed, key=lambda t: t[0])
+    configs = [GemmConfig(16, bn, bk, 8, w, s) for bn, bk, w, s in DIRECT_DOWN_TILES if bk <= cap]
+    us, cfg = _fastest(configs, lambda c: moe_down_reduce(inter_q, p.w2, out, ids, e, c, topk_weights=weights,
+                                                          scales=p.scales(inter_scale, p.w2_scale)))
     return cfg, us
 
 
@@ -178,10 +170,7 @@ def main(argv: list[str]) -> int:
     path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")),
                                              None if args.quant == "none" else "fp8_w8a8", QUANTS[args.quant])
     path.parent.mkdir(parents=True, exist_ok=True)
-    table: dict[int, MoEConfig] = {}
-    if path.is_file():
-        raw = json.loads(path.read_text())
-        table = {int(m): config_from_row(r) for m, r in raw.items()}
+    table = read_table(path) if path.is_file() else {}
     ms = [int(v) for v in args.ms.split(",")]
     problem = make_problem(e, n, k, topk, getattr(torch, args.dtype), args.quant)
     for i, m in enumerate(ms):

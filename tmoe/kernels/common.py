@@ -40,10 +40,14 @@ def tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def local_expert(topk_ids_ptr, expert_map_ptr, slot, num_experts, HAS_MAP: tl.constexpr):
-    """The local expert (int64) of ``slot``: topk_ids[slot], mapped through expert_map when
-    HAS_MAP; -1 when the id is outside [0, num_experts) or the expert is remote."""
-    expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
+def local_expert(topk_ids_ptr, expert_map_ptr, slot, num_experts, HAS_MAP: tl.constexpr, mask=None):
+    """The local expert (int64) of ``slot`` (a scalar or a vector of slots, ``mask`` marking the
+    real ones): topk_ids[slot], mapped through expert_map when HAS_MAP; -1 when the id is
+    outside [0, num_experts), the expert is remote, or the slot is masked."""
+    if mask is None:
+        expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
+    else:
+        expert = tl.load(topk_ids_ptr + slot, mask=mask, other=-1).to(tl.int64)
     valid = (expert >= 0) & (expert < num_experts)
     if HAS_MAP:
         expert = tl.load(expert_map_ptr + expert, mask=valid, other=-1).to(tl.int64)

@@ -3,8 +3,7 @@ out[m] = sum_t w[m, t] * (h[m * topk + t] @ w2[e_t].T + b2[e_t]).
 
 One program per (token, block of output columns) loads the token's experts and weights once,
 then runs a single K loop over all of its slots (slot t, then its K tiles), so the pipeline
-never drains between experts. Row 0 of the
-[16, BN] tile is the token; the other rows are masked (the tensor cores take 16 rows). Slots of
+never drains between experts. Row 0 of the [16, BN] tile is the token; the other rows are masked (the tensor cores take 16 rows). Slots of
 out-of-range or remote experts are never read and contribute exactly zero. All offsets int64.
 """
 from __future__ import annotations
@@ -14,8 +13,14 @@ import triton
 import triton.language as tl
 
 from tmoe.config import GemmConfig
-from tmoe.kernels.common import cdiv, next_power_of_2
+from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
 from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args
+
+
+@triton.jit
+def _slot_of(experts_t, weights_t, offs_t, t):
+    """Slot t's (expert, weight) picked out of the token's [TOPK_P2] register vectors."""
+    return tl.sum(tl.where(offs_t == t, experts_t, 0)), tl.sum(tl.where(offs_t == t, weights_t, 0.0))
 
 
 @triton.jit(do_not_specialize=['num_tokens'])
@@ -50,11 +55,7 @@ def _moe_down_reduce_kernel(
     # registers and the loop index, so the pipeliner can prefetch across slot boundaries
     offs_t = tl.arange(0, TOPK_P2)
     slots_t = pid_m * TOPK + offs_t  # [TP]
-    ids = tl.load(topk_ids_ptr + slots_t, mask=offs_t < TOPK, other=-1).to(tl.int64)
-    valid = (ids >= 0) & (ids < num_experts)
-    if HAS_MAP:
-        ids = tl.load(expert_map_ptr + ids, mask=valid, other=-1).to(tl.int64)
-    experts_t = tl.where(valid, ids, -1)  # [TP] local expert or -1
+    experts_t = local_expert(topk_ids_ptr, expert_map_ptr, slots_t, num_experts, HAS_MAP, offs_t < TOPK)  # [TP]
     if APPLY_WEIGHTS:
         weights_t = tl.load(topk_weights_ptr + slots_t, mask=experts_t >= 0, other=0.0)
     else:
@@ -65,8 +66,7 @@ def _moe_down_reduce_kernel(
         t = i // num_k
         k0 = (i - t * num_k) * BLOCK_K
         slot = pid_m * TOPK + t
-        expert = tl.sum(tl.where(offs_t == t, experts_t, 0))
-        scale = tl.sum(tl.where(offs_t == t, weights_t, 0.0))
+        expert, scale = _slot_of(experts_t, weights_t, offs_t, t)
         computed = expert >= 0
         safe_expert = tl.maximum(expert, 0)
         mask_a = row0 & computed  # [BM, 1]
@@ -94,8 +94,7 @@ def _moe_down_reduce_kernel(
             acc += part * (scale * a_s) * b_s[None, :]
     if HAS_BIAS:
         for t in tl.static_range(TOPK):
-            expert = tl.sum(tl.where(offs_t == t, experts_t, 0))
-            scale = tl.sum(tl.where(offs_t == t, weights_t, 0.0))
+            expert, scale = _slot_of(experts_t, weights_t, offs_t, t)
             bias = tl.load(bias_ptr + tl.maximum(expert, 0) * stride_be + offs_n, mask=mask_n & (expert >= 0),
                            other=0.0).to(tl.float32)  # [BN]
             acc += (bias * scale)[None, :]

@@ -185,9 +185,9 @@ def invoke_moe_gemm(
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     batched = routing is None
-    dummy_i32 = w  # never read
-    route = dict(sorted_ids_ptr=dummy_i32, expert_ids_ptr=dummy_i32, num_post_padded_ptr=dummy_i32,
-                 expert_num_tokens_ptr=dummy_i32, topk_ids_ptr=dummy_i32, expert_map_ptr=dummy_i32,
+    unused = w  # pointer arguments the route does not read
+    route = dict(sorted_ids_ptr=unused, expert_ids_ptr=unused, num_post_padded_ptr=unused,
+                 expert_num_tokens_ptr=unused, topk_ids_ptr=unused, expert_map_ptr=unused,
                  num_experts=0, HAS_MAP=False, stride_ae=0, stride_oe=0, blocks_per_expert=1)
     if batched:
         cap = a.shape[1]
@@ -198,7 +198,7 @@ def invoke_moe_gemm(
         num_pid_m = routing.topk_ids.numel()
         route.update(ROUTE="direct", topk_ids_ptr=routing.topk_ids, num_experts=routing.num_experts,
                      num_slots=num_pid_m, a_row_div=routing.a_row_div, HAS_MAP=routing.expert_map is not None,
-                     expert_map_ptr=routing.expert_map if routing.expert_map is not None else dummy_i32)
+                     expert_map_ptr=routing.expert_map if routing.expert_map is not None else unused)
     else:
         num_pid_m = routing.expert_ids.shape[0]
         route.update(ROUTE="sorted", sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,

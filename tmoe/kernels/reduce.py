@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import cdiv, next_power_of_2
+from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
 
 
 @triton.jit
@@ -27,10 +27,7 @@ def _moe_reduce_kernel(
     mask_k = offs_k < K
     acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for t in tl.static_range(TOPK):
-        expert = tl.load(topk_ids_ptr + pid_m * stride_im + t)
-        computed = (expert >= 0) & (expert < num_experts)
-        if HAS_MAP:
-            computed &= tl.load(expert_map_ptr + expert, mask=computed, other=-1) >= 0
+        computed = local_expert(topk_ids_ptr + pid_m * stride_im, expert_map_ptr, t, num_experts, HAS_MAP) >= 0
         if HAS_ROWS:
             row = tl.load(rows_ptr + pid_m * TOPK + t, mask=computed, other=-1).to(tl.int64)
             computed &= row >= 0
