@@ -140,8 +140,9 @@ def test_fp8_bad_input_raises_before_launch():
                            w1_scale=s1, w2_scale=s2)  # bf16 weights under an fp8 config
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
 @pytest.mark.parametrize("layout", ["sorted", "direct", "batched"])
-def test_epilogue_quant_equals_group_quant_of_float32_intermediate(layout):
+def test_epilogue_quant_equals_group_quant_of_float32_intermediate(layout, tma):
     """The up GEMM's fused 1 x 128 quantization writes exactly the codes and scales that
     ``per_token_group_quant_fp8`` gives for the same GEMM's float32 intermediate (bit for bit:
     same accumulator, same rounding); unwritten elements stay NaN-poisoned and fail."""
@@ -153,7 +154,7 @@ def test_epilogue_quant_equals_group_quant_of_float32_intermediate(layout):
     block = SCHEMES[3].config.block_shape
     p = make_problem(MoEShape(11, 4, 256, 256, 2), torch.bfloat16, "skewed", seed=12, device=DEVICE)
     w1q, s1, _ = quantize_weights(p.w1, SCHEMES[3])
-    cfg = GemmConfig(16, 128, 128)
+    cfg = GemmConfig(16, 128, 128, tma=tma)
     n = p.w1.shape[1] // 2
     if layout == "batched":
         cap = 11 * 2

@@ -213,3 +213,38 @@ def test_fused_moe_layer_cuda_graph_replay_with_new_input(m, compiled):
         assert torch.equal(out, run(x_new)), f"replay {trial} differs from the same call run eagerly"
         assert torch.equal(out, layer(x_new)), f"replay {trial} differs from the eager layer"
         assert_close(out, _layer_reference(layer, x_new), torch.bfloat16, name=f"replay {trial}")
+
+
+TMA_TILES = {  # quant: (up, down) tile configs with TMA weight loads, as the tuner tries them
+    "none": ((128, 128, 64, 8, 4), (128, 256, 64, 8, 4)),
+    "block": ((64, 64, 128, 4, 4), (64, 256, 128, 8, 3)),
+    "token": ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3)),
+}
+
+
+@pytest.mark.parametrize("quant", list(TMA_TILES))
+def test_tma_large_tiles_and_graph_replay(quant):
+    """Large tiles with TMA weight loads compile and match the reference (fp8: on dequantized
+    weights, rel. error < 6e-2), and a captured layer replays new routing bit for bit."""
+    from tmoe.config import GemmConfig, MoEConfig, override_config
+    from tmoe.reference import dequantize_fp8_reference
+
+    e, n, k, topk, m = 8, 1024, 2048, 2, 2048
+    w1, w2 = _weights(e, n, k)
+    up, down = (GemmConfig(bm, bn, bk, 8, w, s, tma=True) for bm, bn, bk, w, s in TMA_TILES[quant])
+    kwargs, tol = {}, 1e-2
+    if quant != "none":
+        config, quantize = FP8_SCHEMES[quant]
+        (w1, s1), (w2, s2) = quantize(w1), quantize(w2)
+        kwargs, tol = dict(quant_config=config, w1_scale=s1, w2_scale=s2), 6e-2
+        w1d, w2d = (dequantize_fp8_reference(q, s, config.block_shape).to(torch.bfloat16) if config.block_shape
+                    else (q.float() * s).to(torch.bfloat16) for q, s in ((w1, s1), (w2, s2)))
+    else:
+        w1d, w2d = w1, w2
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weights, ids = _routing(m, e, topk)
+    with override_config(MoEConfig(up, down)):
+        run = lambda: tmoe.fused_experts(x, w1, w2, weights, ids, **kwargs)  # noqa: E731
+        err = rel_error(run(), moe_reference(x, w1d, w2d, weights, ids))
+        assert err < tol, f"TMA {quant}: relative error {err:.2e}"
+        _check_replays(run, x, weights, ids, e, topk, trials=2)

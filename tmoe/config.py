@@ -21,7 +21,8 @@ from tmoe.kernels.common import cdiv
 @dataclass(frozen=True)
 class GemmConfig:
     """Tiles of one grouped GEMM. For the up/gate GEMM ``block_n`` counts output columns of
-    the activated intermediate (the kernel loads 2 * block_n weight rows)."""
+    the activated intermediate (the kernel loads 2 * block_n weight rows). ``tma``: load the
+    weight tiles with TMA (a tensor descriptor; pointer loads where TMA cannot address them)."""
 
     block_m: int
     block_n: int
@@ -29,6 +30,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):

@@ -7,6 +7,8 @@ intermediate's quantization (in its epilogue when the tile allows, else the quan
 Results are written after every M, and M values already in the output file are skipped, so
 an interrupted run resumes. ``--direct`` tunes the decode path's down GEMM (fused top-k
 reduce) at the given M values of an existing table, adding ``direct_down`` to those rows.
+``--tma`` times the rows of an existing table at the given M values against TMA-weight variants
+of the large tiles (same block_m) and keeps the fastest; it can be run again (not resumable).
 """
 from __future__ import annotations
 
@@ -73,7 +75,7 @@ def _fastest(configs: list[GemmConfig], run) -> tuple[float, GemmConfig]:
             timed.append((_time_us(lambda: run(cfg)), cfg))
         except Exception as err:  # a config that does not fit shared memory: skip it
             print(f"    skip {cfg}: {type(err).__name__}", flush=True)
-    return min(timed, key=lambda t: t[0])
+    return min(timed, key=lambda t: t[0], default=(float("inf"), None))
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,9 @@ def make_problem(e: int, n: int, k: int, topk: int, dtype: torch.dtype, quant: s
     return Problem(w1q, w2q, topk, quant, s1, s2)
 
 
-def tune_m(m: int, p: Problem) -> tuple[MoEConfig, float]:
-    """Best config at ``m`` tokens and its summed GEMM (+ intermediate quant) time in µs."""
+def _gemm_runs(m: int, p: Problem, block_m: int):
+    """(up(cfg), down(cfg)): launch the layer's two GEMMs (the up one with the intermediate's
+    fp8 quantization) at ``m`` tokens of random routing, aligned to ``block_m``."""
     e, n, k, topk = p.w2.shape[0], p.w2.shape[2], p.w2.shape[1], p.topk
     x, x_scale = p.quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     ids = torch.topk(torch.randn(m, e, device="cuda"), topk).indices.to(torch.int32)
@@ -118,29 +121,53 @@ def tune_m(m: int, p: Problem) -> tuple[MoEConfig, float]:
     group = QUANTS[p.quant][1] if QUANTS[p.quant] else None
     fused_scale = torch.empty(m * topk, n // group, device="cuda") if group else None
     out = torch.empty(m * topk, k, device="cuda", dtype=torch.bfloat16)
+    s, eids, ntpp = moe_align_block_size(ids, block_m, e)
+    up_route, down_route = Routing(s, eids, ntpp, m * topk, topk), Routing(s, eids, ntpp, m * topk, 1)
+
+    def up(cfg: GemmConfig) -> None:
+        scales = p.scales(x_scale, p.w1_scale)
+        if group and cfg.block_n % group == 0 and n % group == 0:  # epilogue quantization
+            invoke_moe_gemm(x, p.w1, inter_q, cfg, gated=True, routing=up_route, scales=scales,
+                            out_scale=fused_scale)
+        else:
+            invoke_moe_gemm(x, p.w1, inter, cfg, gated=True, routing=up_route, scales=scales)
+            p.quantize(inter)
+
+    def down(cfg: GemmConfig) -> None:
+        invoke_moe_gemm(inter_q, p.w2, out, cfg, gated=False, routing=down_route,
+                        scales=p.scales(inter_scale, p.w2_scale))
+
+    return up, down
+
+
+def tune_m(m: int, p: Problem) -> tuple[MoEConfig, float]:
+    """Best config at ``m`` tokens and its summed GEMM (+ intermediate quant) time in µs."""
     best: tuple[MoEConfig, float] | None = None
-    for bm in block_ms(m, e, topk):
-        s, eids, ntpp = moe_align_block_size(ids, bm, e)
-        up_route, down_route = Routing(s, eids, ntpp, m * topk, topk), Routing(s, eids, ntpp, m * topk, 1)
-
-        def up(cfg: GemmConfig) -> None:
-            scales = p.scales(x_scale, p.w1_scale)
-            if group and cfg.block_n % group == 0 and n % group == 0:  # epilogue quantization
-                invoke_moe_gemm(x, p.w1, inter_q, cfg, gated=True, routing=up_route, scales=scales,
-                                out_scale=fused_scale)
-            else:
-                invoke_moe_gemm(x, p.w1, inter, cfg, gated=True, routing=up_route, scales=scales)
-                p.quantize(inter)
-
-        def down(cfg: GemmConfig) -> None:
-            invoke_moe_gemm(inter_q, p.w2, out, cfg, gated=False, routing=down_route,
-                            scales=p.scales(inter_scale, p.w2_scale))
-
+    for bm in block_ms(m, p.w2.shape[0], p.topk):
+        up, down = _gemm_runs(m, p, bm)
         t_up, up_cfg = _fastest(candidates(bm, True, p.quant), up)
         t_down, down_cfg = _fastest(candidates(bm, False, p.quant), down)
         if best is None or t_up + t_down < best[1]:
             best = (MoEConfig(up_cfg, down_cfg), t_up + t_down)
     return best
+
+
+def tune_tma(m: int, p: Problem, row: MoEConfig) -> tuple[MoEConfig, float]:
+    """The table row at ``m`` against TMA-weight variants of the large tiles at its block_m: the
+    fastest up and down configs (the row's own among them) and their summed time in µs."""
+    k_cap = QUANTS[p.quant][1] if QUANTS[p.quant] else 1 << 30
+    tiles = LARGE_TILES if p.quant == "none" else FP8_LARGE_TILES
+    run_up, run_down = _gemm_runs(m, p, row.block_m)
+    picked, total = [], 0.0
+    for name, own, run, gated in (("up", row.up, run_up, True), ("down", row.down, run_down, False)):
+        tma = [GemmConfig(own.block_m, bn, bk, own.group_m, w, s, tma=True)
+               for bn, bk, w, s in tiles if not (gated and bn > 128) and bk <= k_cap]
+        t_own, _ = _fastest([own], run)
+        t_tma, best_tma = _fastest(tma, run)
+        print(f"    {name}: table {t_own:.1f} us, best TMA {t_tma:.1f} us ({best_tma})", flush=True)
+        picked.append(best_tma if t_tma < t_own else own)
+        total += min(t_own, t_tma)
+    return replace(row, up=picked[0], down=picked[1]), total
 
 
 def tune_direct_down(m: int, p: Problem) -> tuple[GemmConfig, float]:
@@ -165,6 +192,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quant", default="none", choices=sorted(QUANTS))
     ap.add_argument("--out", default=str(Path(__file__).parent / "configs"))
     ap.add_argument("--direct", action="store_true", help="add decode-path down tiles to the table's rows")
+    ap.add_argument("--tma", action="store_true", help="time the table's rows against TMA-weight tiles, keep the fastest")
     args = ap.parse_args(argv)
     e, n, k, topk = SHAPES.get(args.shape) or tuple(int(v) for v in args.shape.split(","))
     path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")),
@@ -182,6 +210,14 @@ def main(argv: list[str]) -> int:
             table[m] = replace(table[m], direct_down=cfg)
             save_table(path, table)
             print(f"[{i + 1}/{len(ms)}] M={m}: direct down {us:.1f} us {cfg}", flush=True)
+            continue
+        if args.tma:
+            if m not in table:
+                print(f"[{i + 1}/{len(ms)}] M={m}: no row", flush=True)
+                continue
+            table[m], us = tune_tma(m, problem, table[m])
+            save_table(path, table)
+            print(f"[{i + 1}/{len(ms)}] M={m}: {us:.1f} us  up={table[m].up} down={table[m].down}", flush=True)
             continue
         if m in table:
             print(f"[{i + 1}/{len(ms)}] M={m}: already tuned", flush=True)

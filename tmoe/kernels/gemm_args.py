@@ -1,10 +1,11 @@
 """Launch arguments shared by the expert GEMM kernels: fp8 scales and their strides, the
-shared-memory fit of a tile config, operand checks."""
+shared-memory fit of a tile config, the weights' TMA descriptor, operand checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
 from tmoe.config import GemmConfig
@@ -80,6 +81,25 @@ def fit_shared_memory(config: GemmConfig, elem_size: int, gated: bool) -> GemmCo
     if (stages, block_k) == (config.num_stages, config.block_k):
         return config
     return replace(config, num_stages=stages, block_k=block_k)
+
+
+def weight_descriptor(w: torch.Tensor, config: GemmConfig) -> TensorDescriptor | None:
+    """A TMA descriptor of ``w`` (E, N_w, K) with block [1, block_n, block_k] when ``config.tma``
+    asks for one and TMA can address ``w`` (K contiguous, 16-byte aligned base and strides);
+    None means pointer loads."""
+    size = w.element_size()
+    if not config.tma or w.stride(2) != 1 or w.data_ptr() % 16 or any(st * size % 16 for st in w.stride()[:2]):
+        return None
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, config.block_n, config.block_k])
+
+
+def uniform_w_scale(scales: Scales | None, n: int, block_n: int, gated: bool) -> bool:
+    """Block quantization where every [block_n] tile of weight rows (gate and up tiles of W1 start
+    at n) lies inside one group: one scale per tile and K group."""
+    if scales is None or scales.block_shape is None:
+        return False
+    gn = scales.block_shape[0]
+    return gn % block_n == 0 and (not gated or n % gn == 0)
 
 
 def check_gemm_operands(a_name: str, a: torch.Tensor, w_name: str, w: torch.Tensor, k_dim: str) -> None:

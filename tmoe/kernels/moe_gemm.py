@@ -18,9 +18,10 @@ import triton.language as tl
 
 from tmoe.config import GemmConfig
 from tmoe.kernels.common import (
-    abs_no_nan, act_and_mul, cdiv, fp8_scale, local_expert, moe_tile_matmul, tile_ids, to_fp8,
+    abs_no_nan, act_and_mul, cdiv, fp8_scale, local_expert, moe_tile_matmul,
+    moe_tile_matmul_tma, tile_ids, to_fp8,
 )
-from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args
+from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, uniform_w_scale, weight_descriptor
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -28,7 +29,7 @@ FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_gemm_kernel(
     a_ptr,  # Standard: [rows, K]; Batched: [E, cap, K]
-    w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) when GATED, else N
+    w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) when GATED, else N; W_DESC: its TMA descriptor
     out_ptr,  # Standard: [num_slots, N]; Batched: [E, cap, N]
     a_scale_ptr,  # [rows, K // GROUP_K] (zero strides broadcast per-tensor scales)
     w_scale_ptr,  # [E, N_w // GROUP_N, K // GROUP_K]
@@ -53,6 +54,7 @@ def _moe_gemm_kernel(
     GATED: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_bm = tl.arange(0, BLOCK_M)
@@ -91,33 +93,45 @@ def _moe_gemm_kernel(
         tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask_out)
         return
     offs_k = tl.arange(0, BLOCK_K)
-    if GATED:  # interleaved columns: 2j is gate row n_j, 2j + 1 is up row N + n_j
-        offs_c = tl.arange(0, 2 * BLOCK_N)
-        w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
-        mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
+    a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak  # [BM, BK]
+    if W_DESC:  # gate rows n, up rows N + n of W1 as two TMA tiles
+        acc, up = moe_tile_matmul_tma(
+            a_ptrs, w_ptr, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + GATED),
+            a_scale_ptr + scale_rows, w_scale_ptr + expert * stride_wse,
+            K, stride_ak, stride_ask, stride_wsn, stride_wsk,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, GATED, UNIFORM_W_SCALE, EVEN_K, PRECISION,
+        )  # [BM, BN] float32 each (up: GATED only)
     else:
-        w_cols = offs_n
-        mask_c = mask_n
-    acc = moe_tile_matmul(
-        a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak,
-        w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + w_cols[None, :] * stride_wn,
-        mask_m, mask_c,
-        a_scale_ptr + scale_rows,
-        w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
-        K, stride_ak, stride_wk, stride_ask, stride_wsk,
-        BLOCK_M, BLOCK_N * (1 + GATED), BLOCK_K, GROUP_K, QUANT, EVEN_K, PRECISION,
-    )  # [BM, BN] float32, [BM, 2BN] when GATED
+        if GATED:  # interleaved columns: 2j is gate row n_j, 2j + 1 is up row N + n_j
+            offs_c = tl.arange(0, 2 * BLOCK_N)
+            w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
+            mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
+        else:
+            w_cols = offs_n
+            mask_c = mask_n
+        acc = moe_tile_matmul(
+            a_ptrs,
+            w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + w_cols[None, :] * stride_wn,
+            mask_m, mask_c,
+            a_scale_ptr + scale_rows,
+            w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
+            K, stride_ak, stride_wk, stride_ask, stride_wsk,
+            BLOCK_M, BLOCK_N * (1 + GATED), BLOCK_K, GROUP_K, QUANT, EVEN_K, PRECISION,
+        )  # [BM, BN] float32, [BM, 2BN] when GATED
+        if GATED:
+            acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert * stride_be + w_cols, mask=mask_c, other=0.0).to(tl.float32)
+        bias_ptrs = bias_ptr + expert * stride_be + offs_n  # [BN]; up biases at + N
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
     if GATED:  # act((w * x) @ W1 + b1): the weight scales the input, the bias is not scaled
         if MUL_ROUTED_WEIGHT:
             acc = acc * weight[:, None]
+            up = up * weight[:, None]
         if HAS_BIAS:
-            acc += bias[None, :]
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-        acc = act_and_mul(gate, up, ACTIVATION)
+            acc += tl.load(bias_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias_ptrs + N, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc = act_and_mul(acc, up, ACTIVATION)
         if QUANT_OUT:  # fp8 codes and one scale per 1 x GROUP_OUT group, as per_token_group_quant_fp8
             NUM_G: tl.constexpr = BLOCK_N // GROUP_OUT
             acc = tl.where(mask_n[None, :], acc, 0.0)
@@ -130,7 +144,7 @@ def _moe_gemm_kernel(
             tl.store(scale_ptrs, scale, mask=mask_m[:, None] & (offs_g * GROUP_OUT < N)[None, :])
     else:  # w * (h @ W2 + b2)
         if HAS_BIAS:
-            acc += bias[None, :]
+            acc += tl.load(bias_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if MUL_ROUTED_WEIGHT:
             acc = acc * weight[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
@@ -212,9 +226,11 @@ def invoke_moe_gemm(
         os_st = (out_scale.stride(0) if batched else 0, out_scale.stride(-2), out_scale.stride(-1))
     else:
         group_out, os_st = 1, (0, 0, 0)
+    w_desc = weight_descriptor(w, config)
     grid = (num_pid_m * cdiv(n, config.block_n),)
     _moe_gemm_kernel[grid](
-        a, w, out, topk_weights_ptr=topk_weights if topk_weights is not None else w,
+        a, w if w_desc is None else w_desc, out,
+        W_DESC=w_desc is not None, UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, gated), topk_weights_ptr=topk_weights if topk_weights is not None else w,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None,
         out_scale_ptr=out_scale if out_scale is not None else w, stride_ose=os_st[0], stride_osm=os_st[1],
