@@ -58,7 +58,9 @@ def candidates(block_m: int, gated: bool, quant: str = "none") -> list[GemmConfi
     else:
         tiles = FP8_SMALL_TILES if block_m <= 32 else FP8_LARGE_TILES
     cap = QUANTS[quant][1] if QUANTS[quant] else 1 << 30
-    return [GemmConfig(block_m, bn, bk, 8, w, s) for bn, bk, w, s in tiles if not (gated and bn > 128) and bk <= cap]
+    tma = (False, True) if block_m >= 64 else (False,)  # small tiles: TMA within 1% in the H200 retune
+    return [GemmConfig(block_m, bn, bk, 8, w, s, tma=t) for t in tma
+            for bn, bk, w, s in tiles if not (gated and bn > 128) and bk <= cap]
 
 
 def _time_us(fn) -> float:
