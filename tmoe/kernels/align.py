@@ -47,8 +47,9 @@ def _write_layout(
     for j0 in range(0, BLOCK_SIZE, TILE):
         pos = (starts + totals)[:, None] + (j0 + tl.arange(0, TILE))[None, :]  # [E_PAD, TILE]
         tl.store(sorted_ids_ptr + pos, numel, mask=pos < ends[:, None])
-    for p0 in range(total_padded, max_padded, TILE):
-        offs = p0 + tl.arange(0, TILE)
+    TAIL: tl.constexpr = 16 * TILE  # the unused tail is up to E * (BLOCK_SIZE - 1) long: wide steps
+    for p0 in range(total_padded, max_padded, TAIL):
+        offs = p0 + tl.arange(0, TAIL)
         tl.store(sorted_ids_ptr + offs, numel, mask=offs < max_padded)
 
 
