@@ -142,12 +142,17 @@ FP8_SCHEMES = {
 }
 
 
+def _dequantized(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """bf16 weights of fp8 codes ``q`` and their scales (per block, else per channel)."""
+    from tmoe.reference import dequantize_fp8_reference
+
+    return (dequantize_fp8_reference(q, s, block) if block else q.float() * s).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("scheme", list(FP8_SCHEMES))
 @pytest.mark.parametrize("model", list(MODEL_SHAPES))
 def test_model_shapes_fp8(model, scheme):
     """fp8 layer vs the float32 reference on the dequantized weights; rel. error < 6e-2."""
-    from tmoe.reference import dequantize_fp8_reference
-
     e, n, k, topk = MODEL_SHAPES[model]
     config, quantize = FP8_SCHEMES[scheme]
     gc.collect()
@@ -160,8 +165,7 @@ def test_model_shapes_fp8(model, scheme):
         for _ in range(0, e, 16):
             w = torch.randn(min(16, e - len(parts) * 16), rows, cols, device="cuda", dtype=torch.bfloat16) / cols**0.5
             q, s = quantize(w)
-            d = dequantize_fp8_reference(q, s, block) if block else q.float() * s
-            parts.append((q, s, d.to(torch.bfloat16)))
+            parts.append((q, s, _dequantized(q, s, block)))
         return [torch.cat(t) for t in zip(*parts)]
 
     w1q, s1, w1d = quantized(2 * n, k)
@@ -227,7 +231,6 @@ def test_tma_large_tiles_and_graph_replay(quant):
     """Large tiles with TMA weight loads compile and match the reference (fp8: on dequantized
     weights, rel. error < 6e-2), and a captured layer replays new routing bit for bit."""
     from tmoe.config import GemmConfig, MoEConfig, override_config
-    from tmoe.reference import dequantize_fp8_reference
 
     e, n, k, topk, m = 8, 1024, 2048, 2, 2048
     w1, w2 = _weights(e, n, k)
@@ -237,8 +240,7 @@ def test_tma_large_tiles_and_graph_replay(quant):
         config, quantize = FP8_SCHEMES[quant]
         (w1, s1), (w2, s2) = quantize(w1), quantize(w2)
         kwargs, tol = dict(quant_config=config, w1_scale=s1, w2_scale=s2), 6e-2
-        w1d, w2d = (dequantize_fp8_reference(q, s, config.block_shape).to(torch.bfloat16) if config.block_shape
-                    else (q.float() * s).to(torch.bfloat16) for q, s in ((w1, s1), (w2, s2)))
+        w1d, w2d = _dequantized(w1, s1, config.block_shape), _dequantized(w2, s2, config.block_shape)
     else:
         w1d, w2d = w1, w2
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -7,8 +7,8 @@ intermediate's quantization (in its epilogue when the tile allows, else the quan
 Results are written after every M, and M values already in the output file are skipped, so
 an interrupted run resumes. ``--direct`` tunes the decode path's down GEMM (fused top-k
 reduce) at the given M values of an existing table, adding ``direct_down`` to those rows.
-``--tma`` times the rows of an existing table at the given M values against TMA-weight variants
-of the large tiles (same block_m) and keeps the fastest; it can be run again (not resumable).
+``--tma`` times the rows of an existing table at the given M values against the TMA-weight
+candidates of the same block_m and keeps the fastest; it can be run again (not resumable).
 """
 from __future__ import annotations
 
@@ -52,13 +52,17 @@ def block_ms(m: int, e: int, topk: int) -> list[int]:
     return [bm for bm in (16, 32, 64, 128) if bm <= max(16, 2 * per_expert)][-2:]
 
 
-def candidates(block_m: int, gated: bool, quant: str = "none") -> list[GemmConfig]:
+def candidates(block_m: int, gated: bool, quant: str = "none",
+               tma: tuple[bool, ...] | None = None) -> list[GemmConfig]:
+    """Tile configs to time; ``tma`` None: pointer loads, and TMA weight tiles too from block_m 64
+    (on smaller tiles TMA was within 1% in the H200 retune)."""
     if quant == "none":
         tiles = SMALL_TILES if block_m <= 32 else LARGE_TILES
     else:
         tiles = FP8_SMALL_TILES if block_m <= 32 else FP8_LARGE_TILES
     cap = QUANTS[quant][1] if QUANTS[quant] else 1 << 30
-    tma = (False, True) if block_m >= 64 else (False,)  # small tiles: TMA within 1% in the H200 retune
+    if tma is None:
+        tma = (False, True) if block_m >= 64 else (False,)
     return [GemmConfig(block_m, bn, bk, 8, w, s, tma=t) for t in tma
             for bn, bk, w, s in tiles if not (gated and bn > 128) and bk <= cap]
 
@@ -155,17 +159,13 @@ def tune_m(m: int, p: Problem) -> tuple[MoEConfig, float]:
 
 
 def tune_tma(m: int, p: Problem, row: MoEConfig) -> tuple[MoEConfig, float]:
-    """The table row at ``m`` against TMA-weight variants of the large tiles at its block_m: the
-    fastest up and down configs (the row's own among them) and their summed time in µs."""
-    k_cap = QUANTS[p.quant][1] if QUANTS[p.quant] else 1 << 30
-    tiles = LARGE_TILES if p.quant == "none" else FP8_LARGE_TILES
+    """The table row at ``m`` against the TMA-weight candidates at its block_m: the fastest up and
+    down configs (the row's own among them) and their summed time in µs."""
     run_up, run_down = _gemm_runs(m, p, row.block_m)
     picked, total = [], 0.0
     for name, own, run, gated in (("up", row.up, run_up, True), ("down", row.down, run_down, False)):
-        tma = [GemmConfig(own.block_m, bn, bk, own.group_m, w, s, tma=True)
-               for bn, bk, w, s in tiles if not (gated and bn > 128) and bk <= k_cap]
         t_own, _ = _fastest([own], run)
-        t_tma, best_tma = _fastest(tma, run)
+        t_tma, best_tma = _fastest(candidates(own.block_m, gated, p.quant, tma=(True,)), run)
         print(f"    {name}: table {t_own:.1f} us, best TMA {t_tma:.1f} us ({best_tma})", flush=True)
         picked.append(best_tma if t_tma < t_own else own)
         total += min(t_own, t_tma)

@@ -229,8 +229,9 @@ def invoke_moe_gemm(
     w_desc = weight_descriptor(w, config)
     grid = (num_pid_m * cdiv(n, config.block_n),)
     _moe_gemm_kernel[grid](
-        a, w if w_desc is None else w_desc, out,
-        W_DESC=w_desc is not None, UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, gated), topk_weights_ptr=topk_weights if topk_weights is not None else w,
+        a, w if w_desc is None else w_desc, out, W_DESC=w_desc is not None,
+        UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, gated),
+        topk_weights_ptr=topk_weights if topk_weights is not None else w,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None,
         out_scale_ptr=out_scale if out_scale is not None else w, stride_ose=os_st[0], stride_osm=os_st[1],
