@@ -3,14 +3,14 @@
     python bench/bench_moe.py [--shapes mixtral,qwen3,deepseek] [--ms 1,8,64,...]
         [--dtype bf16|fp8_block|fp8_token] [--out bench/results] [--quick] [--stages]
 
-Needs a CUDA GPU; ``--help`` lists every option. The harness is ``tmoe.benchmark``.
+Needs a CUDA GPU; ``--help`` lists every option. The harness is ``tmoe.tools.bench`` (``python -m tmoe bench``).
 """
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from tmoe.benchmark import main  # noqa: E402
+from tmoe.tools.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from tmoe import benchmark as bm
-from tmoe import benchmark_peers as peers
+from tmoe.tools import bench as bm
+from tmoe.tools import peers
 from tmoe.reference import moe_reference
 from tmoe.testing.tolerance import rel_error
 

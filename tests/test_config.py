@@ -30,7 +30,7 @@ def test_table_lookup_nearest_m_and_env_dir(tmp_path, monkeypatch):
 
 
 def test_shipped_tables_load():
-    from tmoe.config import _load_table
+    from tmoe.config.tables import load_table as _load_table
     from pathlib import Path
 
     tables = list((Path(tmoe.__file__).parent / "configs").glob("*.json"))

@@ -12,7 +12,7 @@ WORLD = 2
 
 def _rank_main(rank: int, init_file: str, chunk_size: int, routing: str) -> None:
     import tmoe
-    from tmoe.distributed import AllGatherPrepareAndFinalize
+    from tmoe.modular import AllGatherPrepareAndFinalize
     from tmoe.reference import moe_reference
     from tmoe.testing import assert_close, patch_interpreter
     from tmoe.testing.strategies import MoEShape, make_problem

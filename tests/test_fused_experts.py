@@ -1,6 +1,8 @@
 """The composed layer (tmoe.fused_experts) against tmoe.reference.moe_reference."""
 from dataclasses import dataclass
 
+import zlib
+
 import pytest
 import torch
 from hypothesis import given
@@ -51,7 +53,7 @@ def run_and_check(p, dtype, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_fused_experts_cases(case, dtype, route):
-    p = make_problem(case.shape, dtype, case.routing, seed=hash(str(case)) % 1000, device=DEVICE)
+    p = make_problem(case.shape, dtype, case.routing, seed=zlib.crc32(str(case).encode()) % 1000, device=DEVICE)
     run_and_check(p, dtype, activation=case.activation)
 
 

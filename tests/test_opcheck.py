@@ -21,22 +21,23 @@ def _cases():
     y = torch.randn(9, 2, 72, device=DEVICE)
     b1, b2 = torch.randn(4, 128, device=DEVICE), torch.randn(4, 72, device=DEVICE)
     layer = (p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, "silu", -1, None, None, None, None, None, False, b1, b2)
-    kernel = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts())
+    noep = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts()).spec.as_args()
+    batched = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(18, 4), tmoe.BatchedTritonExperts(18),
+                                         chunk_size=4).spec.as_args()
     return {
         "moe_align_block_size": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, None)),
         "moe_align_block_size_map": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, emap)),
         "moe_gemm_up": (torch.ops.tmoe.moe_gemm_up, (p.x, p.w1, *align, 2, 16, "gelu")),
-        "moe_gemm_down": (torch.ops.tmoe.moe_gemm_down, (inter, p.w2, *align, 16, p.topk_weights)),
+        "moe_gemm_down": (torch.ops.tmoe.moe_gemm_down, (inter, p.w2, *align, 2, 16, p.topk_weights)),
         "moe_reduce": (torch.ops.tmoe.moe_reduce, (y, p.topk_ids, 4, p.topk_weights, None)),
-        "modular_forward": (torch.ops.tmoe.modular_forward, (*layer, kernel.handle)),
-        "modular_forward_": (torch.ops.tmoe.modular_forward_, (p.x.clone(), *layer[1:], kernel.handle)),
-        "fused_experts": (torch.ops.tmoe.fused_experts, (*layer, None, False, False, None)),
-        "fused_experts_": (torch.ops.tmoe.fused_experts_, (p.x.clone(), *layer[1:], None, False, False, None)),
-    }, kernel
+        "modular_forward": (torch.ops.tmoe.modular_forward, (*layer, *noep)),
+        "modular_forward_": (torch.ops.tmoe.modular_forward_, (p.x.clone(), *layer[1:], *noep)),
+        "modular_forward_batched": (torch.ops.tmoe.modular_forward, (*layer, *batched)),
+        "topk_route": (torch.ops.tmoe.topk_route, (torch.randn(9, 4, device=DEVICE), 2)),
+    }
 
 
-@pytest.mark.parametrize("name", list(_cases()[0]))
+@pytest.mark.parametrize("name", list(_cases()))
 def test_opcheck(name):
-    cases, _kernel = _cases()  # the kernel must stay alive while its handle is used
-    op, args = cases[name]
+    op, args = _cases()[name]
     torch.library.opcheck(op, args)

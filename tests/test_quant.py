@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 import tmoe.ops  # noqa: F401  (registers torch.ops.tmoe.*)
 from tmoe.kernels.quant import FP8_MAX, per_token_group_quant_fp8, per_token_quant_fp8, static_quant_fp8
-from tmoe.quant_weights import (
+from tmoe.weights import (
     quantize_weight_per_block_fp8,
     quantize_weight_per_channel_fp8,
     quantize_weight_per_tensor_fp8,

@@ -39,7 +39,7 @@ def test_gemm_down_stage(mul_weights, dtype):
     p = make_problem(shape, dtype, "uniform", seed=2, device=DEVICE)
     inter = torch.randn(shape.m * shape.topk, shape.n, device=DEVICE).to(dtype)
     weights = p.topk_weights if mul_weights else None
-    out = torch.ops.tmoe.moe_gemm_down(inter, p.w2, *_routing(p), BLOCK_M, weights)
+    out = torch.ops.tmoe.moe_gemm_down(inter, p.w2, *_routing(p), shape.topk, BLOCK_M, weights)
     ids = p.topk_ids.reshape(-1).long()
     ref = torch.einsum("sn,skn->sk", inter.float(), p.w2.float()[ids])
     if mul_weights:

@@ -1,23 +1,37 @@
-"""``python -m tmoe``: a demo layer checked against the reference; ``python -m tmoe bench ...``
-runs the benchmark; ``python -m tmoe tune ...`` tunes tile configs."""
+"""``python -m tmoe [demo|bench|tune] ...``: the command-line tools in ``tmoe.tools``."""
 from __future__ import annotations
 
 import sys
 
+USAGE = """usage: python -m tmoe [demo | bench ... | tune ... | -h]
+
+  demo    (default) a random MoE layer run eager, compiled and (GPU) as a CUDA graph, each
+          checked against the float32 reference, with error and time
+  bench   the whole-layer benchmark against the roofline and peers (GPU); bench -h for options
+  tune    tile-config tuning into vLLM-named JSON tables (GPU); tune -h for options
+"""
+
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["bench"]:
-        from tmoe.benchmark import main as bench_main
+    command, rest = (argv[0], argv[1:]) if argv else ("demo", [])
+    if command in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    if command == "bench":
+        from tmoe.tools.bench import main as bench_main
 
-        return bench_main(argv[1:]) or 0
-    if argv[:1] == ["tune"]:
-        from tmoe.tune import main as tune_main
+        return bench_main(rest) or 0
+    if command == "tune":
+        from tmoe.tools.tune import main as tune_main
 
-        return tune_main(argv[1:]) or 0
-    from tmoe.demo import run_demo
+        return tune_main(rest) or 0
+    if command == "demo" and not rest:
+        from tmoe.tools.demo import run_demo
 
-    run_demo()
-    return 0
+        run_demo()
+        return 0
+    print(f"unknown command {' '.join(argv)!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -43,3 +43,12 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.numel() and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous along its last dimension (stride {t.stride(-1)})")
+
+
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is a positive int (not a bool), else a TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value

@@ -1,21 +1,32 @@
-"""``tmoe.fused_experts``: vLLM's fused-MoE call, run by the default modular kernel."""
+"""``tmoe.fused_experts``: vLLM's fused-MoE call, run by the default modular kernel as the layer op."""
 from __future__ import annotations
 
 import torch
 
-from tmoe.experts import TritonExperts
-from tmoe.modular import FusedMoEQuantConfig
-from tmoe.modular_kernel import FusedMoEModularKernel
-from tmoe.prepare_finalize import NoEPPrepareAndFinalize
+from tmoe.modular import KernelSpec, NoEPPrepareAndFinalize, TritonExperts
+from tmoe.modular.call import LayerArgs
+from tmoe.modular.checks import check_no_grad_inplace
+from tmoe.modular.quant_config import FusedMoEQuantConfig
 
-_DEFAULT_KERNELS: dict[FusedMoEQuantConfig, FusedMoEModularKernel] = {}
+_NO_QUANT = FusedMoEQuantConfig()
 
 
-def default_kernel(quant_config: FusedMoEQuantConfig) -> FusedMoEModularKernel:
-    """``FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts(quant_config))``, one per config."""
-    if quant_config not in _DEFAULT_KERNELS:
-        _DEFAULT_KERNELS[quant_config] = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts(quant_config))
-    return _DEFAULT_KERNELS[quant_config]
+# NoEPPrepareAndFinalize() + TritonExperts(): the spec's arguments before the quant config's;
+# the chunk size 0 means TMOE_CHUNK_SIZE (read inside the op)
+_DEFAULT_HEAD = KernelSpec.of(NoEPPrepareAndFinalize(), TritonExperts()).as_args()[:5]
+
+
+def _default_spec_args(quant_config: FusedMoEQuantConfig) -> tuple:
+    return (*_DEFAULT_HEAD, *quant_config.as_args(), 0)
+
+
+def run_layer_op(args: LayerArgs, spec_args: tuple, inplace: bool) -> torch.Tensor:
+    """Call the layer op (in place into hidden_states when ``inplace``)."""
+    if inplace:
+        check_no_grad_inplace(args.hidden_states)
+        torch.ops.tmoe.modular_forward_(*args, *spec_args)
+        return args.hidden_states
+    return torch.ops.tmoe.modular_forward(*args, *spec_args)
 
 
 def fused_experts(
@@ -25,18 +36,9 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
-    activation: str = "silu",
-    apply_router_weight_on_input: bool = False,
-    global_num_experts: int = -1,
-    expert_map: torch.Tensor | None = None,
     inplace: bool = False,
     quant_config: FusedMoEQuantConfig | None = None,
-    w1_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    a1_scale: torch.Tensor | None = None,
-    a2_scale: torch.Tensor | None = None,
-    w1_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
+    **options,
 ) -> torch.Tensor:
     """out[m] = sum_t topk_weights[m, t] * w2[e] @ (act(w1[e, :N] @ x[m]) * (w1[e, N:] @ x[m])), e = topk_ids[m, t].
 
@@ -44,15 +46,15 @@ def fused_experts(
         hidden_states: (M, K) float16/bfloat16/float32.
         w1: (E, 2N, K), gate rows then up rows; w2: (E, K, N). Same dtype as hidden_states, or
             float8_e4m3fn with ``quant_config`` and ``w1_scale``/``w2_scale``.
-        topk_weights: (M, topk) float32; topk_ids: (M, topk) int32/int64.
-        activation: "silu", "gelu" (erf), "gelu_tanh" or "swigluoai".
-        apply_router_weight_on_input: scale the input instead of the output (topk == 1).
-        global_num_experts, expert_map: expert parallelism; expert_map (E_global,) int32 maps
-            global ids to local ids or -1. Slots of remote or out-of-range experts contribute 0.
-        inplace: write the result into ``hidden_states``.
-        a1_scale/a2_scale: static per-tensor activation scales (dynamic when None).
-        w1_bias (E, 2N) / w2_bias (E, K): optional expert biases, added before the activation
-            and before the router weight.
+        topk_weights: (M, topk) float32; topk_ids: (M, topk) int32/int64. Ids outside
+            [0, E) contribute exactly 0.
+        inplace: write the result into ``hidden_states`` (refused if it requires grad).
+        quant_config: ``tmoe.FusedMoEQuantConfig`` (fp8 schemes); None: unquantized.
+        **options: the other fields of ``tmoe.modular.LayerArgs``: ``activation`` ("silu",
+            "gelu", "gelu_tanh", "swigluoai"), ``global_num_experts`` and ``expert_map`` (expert
+            parallelism: (E_global,) int32, global id to local id or -1), ``w1_scale``/``w2_scale``,
+            ``a1_scale``/``a2_scale`` (static per-tensor fp8 activation scales),
+            ``apply_router_weight_on_input`` (topk == 1), ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K).
 
     Returns:
         (M, K) tensor in hidden_states.dtype.
@@ -61,10 +63,5 @@ def fused_experts(
         >>> w, ids = torch.topk(torch.softmax(logits, -1), 2)
         >>> out = tmoe.fused_experts(x, w1, w2, w, ids.int())
     """
-    qc = quant_config or FusedMoEQuantConfig()
-    args = (hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map, w1_scale,
-            w2_scale, a1_scale, a2_scale, apply_router_weight_on_input, w1_bias, w2_bias, *qc.as_args())
-    if inplace:
-        torch.ops.tmoe.fused_experts_(*args)
-        return hidden_states
-    return torch.ops.tmoe.fused_experts(*args)
+    args = LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options)
+    return run_layer_op(args, _default_spec_args(quant_config or _NO_QUANT), inplace)

@@ -1,5 +1,6 @@
-"""``tmoe.FusedMoE``: an nn.Module holding a router and expert weights in tmoe's layout,
-whose forward is router -> modular kernel."""
+"""The layer modules: ``FusedMoEModularKernel`` (a PrepareAndFinalize + experts as one layer op
+call) and ``FusedMoE`` (router + expert weights + a modular kernel). Both hold only values and
+Parameters: they copy, pickle, save and compile block by block like any module."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,9 +9,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tmoe.experts import TritonExperts
-from tmoe.modular_kernel import FusedMoEModularKernel
-from tmoe.prepare_finalize import NoEPPrepareAndFinalize
+from tmoe.checks import positive_int
+from tmoe.fused import run_layer_op
+from tmoe.modular import (
+    FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize, TritonExperts,
+)
+from tmoe.modular.call import LayerArgs
+from tmoe.modular.kernel import default_chunk_size
+
+
+class FusedMoEModularKernel(nn.Module):
+    """``prepare_finalize`` + ``fused_experts`` as one layer call.
+
+    forward(hidden_states (M, K), w1 (E, 2N, K), w2 (E, K, N), topk_weights (M, topk) float32,
+    topk_ids (M, topk) int32/int64, inplace=False, **options) -> (M, K), ``options`` the other
+    fields of ``tmoe.modular.LayerArgs`` (activation, global_num_experts, expert_map, scales,
+    biases, apply_router_weight_on_input). Runs as the custom op ``tmoe::modular_forward``, which
+    receives the kernel by value (``KernelSpec``); M is split in chunks of ``chunk_size`` tokens
+    (default ``TMOE_CHUNK_SIZE`` or 32768) when the experts support it, reusing one workspace.
+    """
+
+    def __init__(self, prepare_finalize: FusedMoEPrepareAndFinalize, fused_experts: FusedMoEPermuteExpertsUnpermute,
+                 chunk_size: int | None = None) -> None:
+        super().__init__()
+        chunk_size = default_chunk_size() if chunk_size is None else positive_int("chunk_size", chunk_size)
+        self.spec = KernelSpec.of(prepare_finalize, fused_experts, chunk_size)
+        self.prepare_finalize, self.fused_experts, self.chunk_size = prepare_finalize, fused_experts, chunk_size
+        self._spec_args = self.spec.as_args()
+
+    def forward(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, inplace: bool = False, **options) -> torch.Tensor:
+        return run_layer_op(LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options), self._spec_args,
+                            inplace)
+
+    def extra_repr(self) -> str:
+        return f"{type(self.prepare_finalize).__name__} + {type(self.fused_experts).__name__}, chunk_size={self.chunk_size}"
+
+    def warmup(self, max_tokens: int, w1: torch.Tensor, w2: torch.Tensor, topk: int, **kwargs) -> None:
+        """Compile every kernel variant for 1..max_tokens tokens (powers of two and max_tokens)
+        on random data, so nothing JITs during CUDA-graph capture."""
+        e, k = w1.shape[0], w1.shape[2]
+        dtype = kwargs.pop("dtype", torch.bfloat16)
+        sizes = sorted({1 << i for i in range(max_tokens.bit_length())} | {max_tokens})
+        num_experts = kwargs.get("global_num_experts", -1)
+        num_experts = num_experts if num_experts > 0 else e
+        for m in sizes:
+            x = torch.randn(m, k, dtype=dtype, device=w1.device)
+            weights, ids = torch.topk(torch.randn(m, num_experts, device=w1.device).softmax(-1), topk)
+            self.forward(x, w1, w2, weights, ids.to(torch.int32), **kwargs)
 
 
 @dataclass(frozen=True)
@@ -39,9 +85,12 @@ class FusedMoE(nn.Module):
                  score_correction_bias: bool = False, router: bool = True, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, kernel: FusedMoEModularKernel | None = None) -> None:
         super().__init__()
+        e = positive_int("num_experts", num_experts)
+        k, n = positive_int("hidden_size", hidden_size), positive_int("intermediate_size", intermediate_size)
+        if not 1 <= positive_int("topk", topk) <= e:
+            raise ValueError(f"topk must be in [1, num_experts={e}], got {topk}")
         self.activation = activation
         self.routing = RouterConfig(topk, scoring, renormalize, num_expert_group, topk_group, routed_scaling_factor)
-        e, k, n = num_experts, hidden_size, intermediate_size
         make = dict(dtype=dtype, device=device)
         self.router_weight = nn.Parameter(torch.randn(e, k, **make) / k**0.5, requires_grad=False) if router else None
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(e, device=device), requires_grad=False)
@@ -76,5 +125,8 @@ class FusedMoE(nn.Module):
             if self.router_weight is None:
                 raise ValueError("router_logits must be given to a FusedMoE built without a router")
             router_logits = F.linear(x, self.router_weight)
+        elif router_logits.dim() != 2 or router_logits.shape[-1] != self.w1.shape[0]:
+            raise ValueError(f"router_logits must be (tokens, num_experts={self.w1.shape[0]}), "
+                             f"got shape {tuple(router_logits.shape)}")
         weights, ids = self.route(router_logits)
         return self.kernel(x, self.w1, self.w2, weights, ids, activation=self.activation).view(hidden_states.shape)

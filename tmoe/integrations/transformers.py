@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tmoe.experts import TritonExperts
-from tmoe.modular_kernel import FusedMoEModularKernel
-from tmoe.prepare_finalize import NoEPPrepareAndFinalize
+from tmoe.layer import FusedMoEModularKernel
+from tmoe.modular import NoEPPrepareAndFinalize, TritonExperts
 
 SUPPORTED_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "DeepseekV3Experts", "GptOssExperts")
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",

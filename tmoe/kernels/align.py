@@ -149,9 +149,9 @@ def _align_scatter_kernel(
 
 def align_output_sizes(numel: int, block_size: int, num_experts: int) -> tuple[int, int]:
     """(len(sorted_token_ids), len(expert_ids)) for ``numel`` slots: static, worst case."""
-    max_padded = numel + num_experts * (block_size - 1)
-    if numel < num_experts:
-        max_padded = min(max_padded, numel * block_size)
+    # sym_min, not a branch: on a symbolic numel (torch.compile's fake) a comparison would guard
+    # and recompile when numel crosses num_experts
+    max_padded = torch.sym_min(numel + num_experts * (block_size - 1), numel * block_size)
     return max_padded, cdiv(max_padded, block_size)
 
 

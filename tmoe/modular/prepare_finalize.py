@@ -1,16 +1,20 @@
 """PrepareAndFinalize implementations: single device (Standard) and fixed-capacity batches."""
 from __future__ import annotations
 
-
+from tmoe.checks import positive_int
 from tmoe.kernels.dispatch import batched_dispatch
 from tmoe.kernels.reduce import moe_reduce
-from tmoe.modular import FusedMoEActivationFormat, FusedMoEPrepareAndFinalize, FusedMoEQuantConfig, PrepareResult
-from tmoe.quantize import quantize_activations
+from tmoe.modular.interfaces import FusedMoEActivationFormat, FusedMoEPrepareAndFinalize, PrepareResult
+from tmoe.modular.quant_config import FusedMoEQuantConfig
+from tmoe.modular.quantize import quantize_activations
+
 
 
 class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
     """One device, no expert parallelism: prepare quantizes (or passes through); finalize is
     the weighted top-k reduce, or nothing when the experts wrote the reduced output."""
+
+    kind = "noep"
 
     @property
     def activation_format(self) -> FusedMoEActivationFormat:
@@ -36,13 +40,21 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalize):
     """Scatter tokens into ``(local_experts, max_num_tokens, K)`` batches with per-expert device
     counts: the layout of low-latency expert-parallel all-to-all. An expert's slots beyond
     ``max_num_tokens`` are dropped, keeping the lowest slot indices; dropped slots contribute
-    zero to the output."""
+    zero to the output. ``num_local_experts`` must equal the experts' w1.shape[0]."""
+
+    kind = "batched"
 
     def __init__(self, max_num_tokens: int, num_local_experts: int) -> None:
-        if max_num_tokens < 1 or num_local_experts < 1:
-            raise ValueError("max_num_tokens and num_local_experts must be positive")
-        self.max_num_tokens = max_num_tokens
-        self.num_local_experts = num_local_experts
+        self.max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
+        self.num_local_experts = positive_int("num_local_experts", num_local_experts)
+
+    def op_args(self) -> tuple[int, ...]:
+        return (self.max_num_tokens, self.num_local_experts)
+
+    def check_local_experts(self, num_local_experts: int) -> None:
+        if num_local_experts != self.num_local_experts:
+            raise ValueError(f"BatchedPrepareAndFinalize(num_local_experts={self.num_local_experts}) does not match "
+                             f"the {num_local_experts} experts of w1/w2")
 
     @property
     def activation_format(self) -> FusedMoEActivationFormat:

@@ -5,13 +5,14 @@ from dataclasses import replace
 
 import torch
 
+from tmoe.checks import positive_int
 from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.gemm_args import Scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_gemm import DirectRouting, Routing, invoke_moe_gemm
-from tmoe.modular import FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute
-from tmoe.quantize import quantize_activations
+from tmoe.modular.interfaces import FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute
+from tmoe.modular.quantize import quantize_activations
 
 _STANDARD = FusedMoEActivationFormat.Standard
 _BATCHED = FusedMoEActivationFormat.BatchedExperts
@@ -64,6 +65,8 @@ class TritonExperts(_TritonExpertsBase):
     slot's expert output to ``output`` (M, topk, K). Decode (``reduces_topk``; ``output`` is
     (M, K)): no align, one row block per slot, and the down GEMM writes the weighted top-k sum."""
 
+    kind = "triton"
+
     @property
     def activation_formats(self):
         return (_STANDARD, _STANDARD)
@@ -115,16 +118,24 @@ class BatchedTritonExperts(_TritonExpertsBase):
     """BatchedExperts format: GEMMs over (E, max_tokens, K) batches that read each expert's
     token count from device memory."""
 
+    kind = "batched_triton"
+
     def __init__(self, max_num_tokens: int, quant_config=None) -> None:
         super().__init__(quant_config)
-        self.max_num_tokens = max_num_tokens
+        self.capacity = positive_int("max_num_tokens", max_num_tokens)
+
+    def op_args(self) -> tuple[int, ...]:
+        return (self.capacity,)
+
+    def max_num_tokens(self) -> int:
+        return self.capacity
 
     @property
     def activation_formats(self):
         return (_BATCHED, _BATCHED)
 
     def workspace_shapes(self, a, m, n, k, topk, num_experts, local_num_experts):
-        cap = self.max_num_tokens
+        cap = self.capacity
         return (local_num_experts, cap, k), (local_num_experts, cap, n), (local_num_experts, cap, k)
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from tmoe.kernels.quant import per_token_group_quant_fp8, per_token_quant_fp8, static_quant_fp8
-from tmoe.modular import FusedMoEQuantConfig
+from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 
 def quantize_activations(

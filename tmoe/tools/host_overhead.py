@@ -1,6 +1,6 @@
 """Host-side (Python) time of one ``tmoe.fused_experts`` call with the Triton launches stubbed
 out, on CPU: what tmoe's own checks, config lookup and allocation cost per eager call, apart
-from Triton's launch path and the kernels. ``python bench/bench_host_overhead.py [--profile]``"""
+from Triton's launch path and the kernels. ``python -m tmoe.tools.host_overhead [--profile]``"""
 from __future__ import annotations
 
 import cProfile
@@ -10,8 +10,7 @@ import time
 
 import torch
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))  # run from a checkout
-import tmoe  # noqa: E402
+import tmoe
 
 
 def main(profile: bool = False, reps: int = 500) -> float:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tmoe.kernels.reduce import moe_reduce
-from tmoe.modular import FusedMoEActivationFormat, FusedMoEPrepareAndFinalize, PrepareResult
-from tmoe.quantize import quantize_activations
+from tmoe.modular.interfaces import FusedMoEActivationFormat, FusedMoEPrepareAndFinalize, PrepareResult
+from tmoe.modular.quantize import quantize_activations
 
 
 def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
@@ -44,11 +45,27 @@ class AllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalize):
 
     Use with ``TritonExperts`` and, in the layer call, ``global_num_experts`` plus an
     ``expert_map`` giving this rank's local ids (-1 for experts on other ranks). Partial sums
-    are combined in float32.
+    are combined in float32. The group is kept by name (as torch.distributed's functional
+    collectives do), so the layer stays a value: it copies, pickles and traces by that name.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        self.group = group
+    kind = "allgather"
+
+    def __init__(self, group: dist.ProcessGroup | str | None = None) -> None:
+        if group is None:
+            group = dist.group.WORLD
+        self._group_name = group if isinstance(group, str) else group.group_name
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return _resolve_process_group(self._group_name)
+
+    def group_name(self) -> str:
+        return self._group_name
+
+    @classmethod
+    def from_op_args(cls, args: tuple[int, ...], group_name: str) -> AllGatherPrepareAndFinalize:
+        return cls(group_name)
 
     @property
     def activation_format(self) -> FusedMoEActivationFormat:

@@ -7,55 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
 from tmoe.kernels.common import cdiv
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """Tiles of one grouped GEMM. For the up/gate GEMM ``block_n`` counts output columns of
-    the activated intermediate (the kernel loads 2 * block_n weight rows). ``tma``: load the
-    weight tiles with TMA (a tensor descriptor; pointer loads where TMA cannot address them)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-    tma: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Tiles for the two GEMMs; they share ``block_m``, the alignment block size.
-    ``direct_down``: tiles of the decode path's down GEMM with the fused top-k reduce (its up
-    GEMM takes ``up`` with block_m 16); None means the heuristic's."""
-
-    up: GemmConfig
-    down: GemmConfig
-    direct_down: GemmConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.up.block_m != self.down.block_m:
-            raise ValueError("MoEConfig: up and down GEMMs must share block_m (the align block size)")
-
-    @property
-    def block_m(self) -> int:
-        return self.up.block_m
+from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
 
 
 def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | None) -> MoEConfig:
@@ -85,49 +45,6 @@ def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | Non
     return MoEConfig(up, down)
 
 
-def config_file_name(e: int, n: int, device_name: str, dtype: str | None,
-                     block_shape: tuple[int, int] | None = None) -> str:
-    """vLLM's naming: ``E=8,N=14336,device_name=NVIDIA_H200,dtype=fp8_w8a8[,block_shape=[128,128]].json``."""
-    name = f"E={e},N={n},device_name={device_name.replace(' ', '_')}"
-    if dtype:
-        name += f",dtype={dtype}"
-    if block_shape:
-        name += f",block_shape=[{block_shape[0]},{block_shape[1]}]"
-    return name + ".json"
-
-
-_SHIPPED_CONFIGS = Path(__file__).parent / "configs"
-
-
-@functools.lru_cache(maxsize=None)
-def _load_table(file_name: str, dirs: tuple[Path, ...]) -> dict[int, MoEConfig] | None:
-    for d in dirs:
-        path = d / file_name
-        if path.is_file():
-            return read_table(path)
-    return None
-
-
-def read_table(path: Path) -> dict[int, MoEConfig]:
-    """A tuned table ``{"M": {"up": {...}, "down": {...}[, "direct_down": {...}]}}`` by M."""
-    table = {}
-    for m, row in json.loads(path.read_text()).items():
-        direct = row.get("direct_down")
-        table[int(m)] = MoEConfig(GemmConfig(**row["up"]), GemmConfig(**row["down"]),
-                                  GemmConfig(**direct) if direct else None)
-    return table
-
-
-def save_table(path: Path, table: dict[int, MoEConfig]) -> None:
-    """Write a tuned table: ``{"M": {"up": {...}, "down": {...}[, "direct_down": {...}]}}`` sorted by M."""
-    rows = {}
-    for m, c in sorted(table.items()):
-        rows[str(m)] = {"up": asdict(c.up), "down": asdict(c.down)}
-        if c.direct_down is not None:
-            rows[str(m)]["direct_down"] = asdict(c.direct_down)
-    path.write_text(json.dumps(rows, indent=1) + "\n")
-
-
 _OVERRIDE: list[MoEConfig] = []
 
 
@@ -153,8 +70,8 @@ def device_name(device: torch.device) -> str:
 @functools.lru_cache(maxsize=4096)
 def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str | None,
             block_shape: tuple[int, int] | None, config_dir: str | None) -> MoEConfig:
-    dirs = (Path(config_dir), _SHIPPED_CONFIGS) if config_dir else (_SHIPPED_CONFIGS,)
-    table = _load_table(config_file_name(e, n, device, quant, block_shape), dirs)
+    dirs = (Path(config_dir), SHIPPED_CONFIGS) if config_dir else (SHIPPED_CONFIGS,)
+    table = load_table(config_file_name(e, n, device, quant, block_shape), dirs)
     block_k_cap = block_shape[1] if block_shape else None
     if table:
         cfg = table[min(table, key=lambda tm: abs(tm - m))]
@@ -226,3 +143,7 @@ def get_config(
         return _OVERRIDE[-1]
     bs = tuple(block_shape) if block_shape else None
     return _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"))
+
+
+__all__ = ["GemmConfig", "MoEConfig", "config_file_name", "direct_down_config", "get_config", "override_config",
+           "override_route", "read_table", "save_table", "use_direct_route"]

@@ -25,8 +25,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from tmoe import benchmark_peers as peers
-from tmoe.benchmark_peers import Call
+from tmoe.tools import peers
+from tmoe.tools.peers import Call
 
 Measurement = float | str  # microseconds, or why there is none
 DTYPES = ("bf16", "fp8_block", "fp8_token")

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from tmoe.benchmark_peers import quantize_fp8
+from tmoe.tools.peers import quantize_fp8
 from tmoe.config import GemmConfig, MoEConfig, config_file_name, device_name, read_table, save_table
+from tmoe.config.tables import SHIPPED_CONFIGS
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.gemm_args import Scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
@@ -192,7 +193,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--quant", default="none", choices=sorted(QUANTS))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "configs"))
+    ap.add_argument("--out", default=str(SHIPPED_CONFIGS))
     ap.add_argument("--direct", action="store_true", help="add decode-path down tiles to the table's rows")
     ap.add_argument("--tma", action="store_true", help="time the table's rows against TMA-weight tiles, keep the fastest")
     args = ap.parse_args(argv)

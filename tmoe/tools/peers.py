@@ -173,7 +173,7 @@ def failing(err: Exception) -> Callable[[RoutedInputs], torch.Tensor]:
 def quantize_fp8(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """w (E, A, B) bf16 -> (fp8 codes, float32 scales), one expert at a time to bound float32
     temporaries. fp8_block: 128x128 block scales (E, A/128, B/128); fp8_token: per channel (E, A, 1)."""
-    from tmoe.quant_weights import quantize_weight_per_block_fp8, quantize_weight_per_channel_fp8
+    from tmoe.weights import quantize_weight_per_block_fp8, quantize_weight_per_channel_fp8
 
     quantize = quantize_weight_per_block_fp8 if mode == "fp8_block" else quantize_weight_per_channel_fp8
     q0, s0 = quantize(w[:1])
@@ -266,10 +266,10 @@ def stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs],
         m, topk = r.topk_ids.shape
         route = ops.moe_align_block_size(r.topk_ids, block_m, e)  # sorted ids, expert ids, padded count
         inter = ops.moe_gemm_up(r.x, w1, *route, topk, block_m)  # [M*topk, N]
-        y = ops.moe_gemm_down(inter, w2, *route, block_m).view(m, topk, -1)  # [M, topk, K]
+        y = ops.moe_gemm_down(inter, w2, *route, topk, block_m).view(m, topk, -1)  # [M, topk, K]
         calls["align"].append(functools.partial(ops.moe_align_block_size, r.topk_ids, block_m, e))
         calls["up"].append(functools.partial(ops.moe_gemm_up, r.x, w1, *route, topk, block_m))
-        calls["down"].append(functools.partial(ops.moe_gemm_down, inter, w2, *route, block_m))
+        calls["down"].append(functools.partial(ops.moe_gemm_down, inter, w2, *route, topk, block_m))
         calls["reduce"].append(functools.partial(ops.moe_reduce, y, r.topk_ids, e, r.topk_weights))
     return calls
 

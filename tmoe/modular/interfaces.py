@@ -1,74 +1,26 @@
-"""The modular MoE kernel: a PrepareAndFinalize (quantize, dispatch; combine) composed with a
-PermuteExpertsUnpermute (align, GEMMs), so communication schemes and expert kernels plug in
-independently.
+"""The two interfaces of the modular MoE kernel: a PrepareAndFinalize (quantize, dispatch;
+combine) and a PermuteExpertsUnpermute (align, GEMMs), so communication schemes and expert
+kernels plug in independently.
 
-``FusedMoEModularKernel.forward`` is one custom op (``tmoe::modular_forward``) that looks the
-kernel up by handle, so config lookup, chunking and workspace allocation run eagerly inside
-the op and never in code that dynamo traces.
+Both are values: a subclass names itself with a ``kind`` and says which primitive arguments
+rebuild it (``op_args``), so the layer op receives what the kernel *is* (strings and ints),
+never a handle to a Python object. Subclasses with a ``kind`` register themselves.
 """
 from __future__ import annotations
 
-import itertools
-import os
-import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
 import torch
 
-if TYPE_CHECKING:
-    from tmoe.modular_kernel import FusedMoEModularKernel
+from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 
 class FusedMoEActivationFormat(Enum):
     Standard = "standard"  # (num_tokens, K)
     BatchedExperts = "batched_experts"  # (local_experts, max_tokens_per_expert, K)
-
-
-@dataclass(frozen=True)
-class FusedMoEQuantConfig:
-    """How activations and weights are quantized. ``quant_dtype=None``: no quantization.
-    fp8: per-tensor by default; ``per_act_token_quant`` (one activation scale per token),
-    ``per_out_ch_quant`` (one weight scale per output channel), or ``block_shape=[bn, bk]``
-    (activation groups of bk along K, weight blocks bn x bk)."""
-
-    quant_dtype: torch.dtype | None = None
-    per_act_token_quant: bool = False
-    per_out_ch_quant: bool = False
-    block_shape: tuple[int, int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.block_shape is not None:
-            object.__setattr__(self, "block_shape", tuple(int(b) for b in self.block_shape))
-            if len(self.block_shape) != 2:
-                raise ValueError(f"block_shape must be [block_n, block_k], got {self.block_shape}")
-        if self.quant_dtype not in (None, torch.float8_e4m3fn):
-            raise ValueError(f"quant_dtype must be None or torch.float8_e4m3fn, got {self.quant_dtype}")
-        if self.quant_dtype is None and (self.per_act_token_quant or self.per_out_ch_quant or self.block_shape):
-            raise ValueError("per-token, per-channel and block options need quant_dtype=torch.float8_e4m3fn")
-        if self.block_shape is not None and (self.per_act_token_quant or self.per_out_ch_quant):
-            raise ValueError("block_shape excludes per_act_token_quant and per_out_ch_quant")
-
-    @property
-    def scheme(self) -> str:
-        """"none", "tensor", "token" (per-token activations) or "block"."""
-        if self.quant_dtype is None:
-            return "none"
-        if self.block_shape is not None:
-            return "block"
-        return "token" if self.per_act_token_quant else "tensor"
-
-    def as_args(self) -> tuple[str | None, bool, bool, list[int] | None]:
-        """Primitive form for custom-op arguments."""
-        dtype = None if self.quant_dtype is None else str(self.quant_dtype).removeprefix("torch.")
-        return dtype, self.per_act_token_quant, self.per_out_ch_quant, list(self.block_shape) if self.block_shape else None
-
-    @classmethod
-    def from_args(cls, dtype: str | None, per_act_token: bool, per_out_ch: bool, block_shape: list[int] | None):
-        return cls(getattr(torch, dtype) if dtype else None, per_act_token, per_out_ch,
-                   tuple(block_shape) if block_shape else None)
 
 
 @dataclass(frozen=True)
@@ -87,8 +39,33 @@ class PrepareResult:
     topk_weights: torch.Tensor | None = None
 
 
+PREPARE_FINALIZE_KINDS: dict[str, type[FusedMoEPrepareAndFinalize]] = {}
+EXPERTS_KINDS: dict[str, type[FusedMoEPermuteExpertsUnpermute]] = {}
+
+
 class FusedMoEPrepareAndFinalize(ABC):
-    """Quantize and dispatch tokens before the experts; apply router weights and reduce after."""
+    """Quantize and dispatch tokens before the experts; apply router weights and reduce after.
+
+    By value: ``kind`` names the class; ``cls.from_op_args(self.op_args(), self.group_name())``
+    rebuilds an equal instance (defaults: no parameters, no process group)."""
+
+    kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("kind"):
+            PREPARE_FINALIZE_KINDS[cls.kind] = cls
+
+    def op_args(self) -> tuple[int, ...]:
+        return ()
+
+    def group_name(self) -> str:
+        """The process group's name (``torch.distributed``), "" when there is none."""
+        return ""
+
+    @classmethod
+    def from_op_args(cls, args: tuple[int, ...], group_name: str) -> FusedMoEPrepareAndFinalize:
+        return cls(*args)
 
     @property
     @abstractmethod
@@ -126,12 +103,38 @@ class FusedMoEPrepareAndFinalize(ABC):
     def max_num_tokens_per_rank(self) -> int | None:
         return None
 
+    def check_local_experts(self, num_local_experts: int) -> None:
+        """Raise unless this PrepareAndFinalize can feed ``num_local_experts`` experts (w1.shape[0])."""
+
 
 class FusedMoEPermuteExpertsUnpermute(ABC):
-    """Run the experts on prepared activations; no top-k weighting and no reduction."""
+    """Run the experts on prepared activations; no top-k weighting and no reduction.
+
+    By value: ``kind`` names the class; ``cls.from_op_args(self.op_args(), self.quant_config)``
+    rebuilds an equal instance."""
+
+    kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("kind"):
+            EXPERTS_KINDS[cls.kind] = cls
 
     def __init__(self, quant_config: FusedMoEQuantConfig | None = None) -> None:
+        if quant_config is not None and not isinstance(quant_config, FusedMoEQuantConfig):
+            raise TypeError(f"quant_config must be a tmoe.FusedMoEQuantConfig or None, got {quant_config!r}")
         self.quant_config = quant_config or FusedMoEQuantConfig()
+
+    def op_args(self) -> tuple[int, ...]:
+        return ()
+
+    @classmethod
+    def from_op_args(cls, args: tuple[int, ...], quant_config: FusedMoEQuantConfig) -> FusedMoEPermuteExpertsUnpermute:
+        return cls(*args, quant_config=quant_config)
+
+    def max_num_tokens(self) -> int | None:
+        """Rows per expert batch (BatchedExperts format), None for the Standard format."""
+        return None
 
     @property
     @abstractmethod
@@ -166,15 +169,3 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
     ) -> None:
         """Expert outputs into ``output``; ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K) are optional
         per-expert biases (GPT-OSS)."""
-
-
-_KERNELS: weakref.WeakValueDictionary[int, FusedMoEModularKernel] = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
-
-
-def default_chunk_size() -> int:
-    return int(os.environ.get("TMOE_CHUNK_SIZE", "32768"))
-
-
-def kernel_for_handle(handle: int) -> FusedMoEModularKernel:
-    return _KERNELS[handle]

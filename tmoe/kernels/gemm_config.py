@@ -1,0 +1,44 @@
+"""Tile configurations of the expert GEMMs: frozen values the launchers take."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of one grouped GEMM. For the up/gate GEMM ``block_n`` counts output columns of
+    the activated intermediate (the kernel loads 2 * block_n weight rows). ``tma``: load the
+    weight tiles with TMA (a tensor descriptor; pointer loads where TMA cannot address them)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    tma: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tiles for the two GEMMs; they share ``block_m``, the alignment block size.
+    ``direct_down``: tiles of the decode path's down GEMM with the fused top-k reduce (its up
+    GEMM takes ``up`` with block_m 16); None means the heuristic's."""
+
+    up: GemmConfig
+    down: GemmConfig
+    direct_down: GemmConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.up.block_m != self.down.block_m:
+            raise ValueError("MoEConfig: up and down GEMMs must share block_m (the align block size)")
+
+    @property
+    def block_m(self) -> int:
+        return self.up.block_m

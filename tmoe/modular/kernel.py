@@ -1,0 +1,155 @@
+"""The modular kernel as a value: ``KernelSpec`` (which PrepareAndFinalize, which experts, the
+quant config, the chunk size, all primitives) and ``ModularKernel``, the eager composition
+prepare -> experts -> finalize that the layer op rebuilds from a spec (cached per spec)."""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tmoe.modular.call import LayerArgs
+from tmoe.modular.checks import check_layer_call, check_static_scales
+from tmoe.modular.interfaces import (
+    EXPERTS_KINDS, PREPARE_FINALIZE_KINDS, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize,
+)
+from tmoe.modular.quant_config import FusedMoEQuantConfig
+
+DEFAULT_CHUNK_SIZE = 32768
+SPEC_SCHEMA = ("str prepare_finalize, int[] prepare_finalize_args, str group_name, str experts, int[] experts_args, "
+               "str? quant_dtype, bool per_act_token_quant, bool per_out_ch_quant, int[]? block_shape, int chunk_size")
+
+
+@functools.lru_cache(maxsize=None)
+def _env_chunk_size(raw: str | None) -> int:
+    if raw is None:
+        return DEFAULT_CHUNK_SIZE
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"TMOE_CHUNK_SIZE must be a positive integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"TMOE_CHUNK_SIZE must be a positive integer, got {raw!r}")
+    return value
+
+
+def default_chunk_size() -> int:
+    """``TMOE_CHUNK_SIZE`` from the environment, else 32768 tokens."""
+    return _env_chunk_size(os.environ.get("TMOE_CHUNK_SIZE"))
+
+
+def check_compatible(pf: FusedMoEPrepareAndFinalize, experts: FusedMoEPermuteExpertsUnpermute) -> None:
+    """The two halves agree on the activation format and, for fixed-capacity batches, on the capacity."""
+    for name, obj, base in (("prepare_finalize", pf, FusedMoEPrepareAndFinalize),
+                            ("fused_experts", experts, FusedMoEPermuteExpertsUnpermute)):
+        if not isinstance(obj, base):
+            raise TypeError(f"{name} must be a {base.__name__}, got {type(obj).__name__}")
+        if not type(obj).kind:
+            raise TypeError(f"{type(obj).__name__} must set a class attribute `kind` (its by-value name)")
+    if pf.activation_format != experts.activation_formats[0]:
+        raise ValueError(
+            f"{type(pf).__name__} produces {pf.activation_format.name} activations "
+            f"but {type(experts).__name__} takes {experts.activation_formats[0].name}"
+        )
+    cap_pf, cap_ex = pf.max_num_tokens_per_rank(), experts.max_num_tokens()
+    if cap_pf is not None and cap_ex is not None and cap_pf != cap_ex:
+        raise ValueError(f"{type(pf).__name__}(max_num_tokens={cap_pf}) and {type(experts).__name__}"
+                         f"(max_num_tokens={cap_ex}) must agree on the batch capacity")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What a modular kernel is, by value: equal specs build equal kernels and trace to one graph."""
+
+    prepare_finalize: str
+    prepare_finalize_args: tuple[int, ...]
+    group_name: str
+    experts: str
+    experts_args: tuple[int, ...]
+    quant: FusedMoEQuantConfig
+    chunk_size: int = 0  # 0: default_chunk_size(), read inside the op
+
+    @classmethod
+    def of(cls, pf: FusedMoEPrepareAndFinalize, experts: FusedMoEPermuteExpertsUnpermute,
+           chunk_size: int = 0) -> KernelSpec:
+        check_compatible(pf, experts)
+        return cls(type(pf).kind, tuple(pf.op_args()), pf.group_name(), type(experts).kind,
+                   tuple(experts.op_args()), experts.quant_config, chunk_size)
+
+    def as_args(self) -> tuple:
+        """The layer op's trailing arguments (``SPEC_SCHEMA``)."""
+        return (self.prepare_finalize, list(self.prepare_finalize_args), self.group_name, self.experts,
+                list(self.experts_args), *self.quant.as_args(), self.chunk_size)
+
+    @classmethod
+    def from_args(cls, pf: str, pf_args: list[int], group_name: str, experts: str, experts_args: list[int],
+                  quant_dtype: str | None, per_act_token: bool, per_out_ch: bool, block_shape: list[int] | None,
+                  chunk_size: int) -> KernelSpec:
+        quant = FusedMoEQuantConfig.from_args(quant_dtype, per_act_token, per_out_ch, block_shape)
+        return cls(pf, tuple(pf_args), group_name, experts, tuple(experts_args), quant, chunk_size)
+
+
+class ModularKernel:
+    """prepare -> experts -> finalize over chunks of tokens, eagerly (the layer op's body)."""
+
+    def __init__(self, pf: FusedMoEPrepareAndFinalize, experts: FusedMoEPermuteExpertsUnpermute,
+                 chunk_size: int) -> None:  # chunk_size 0: default_chunk_size() at each call
+        check_compatible(pf, experts)
+        self.prepare_finalize, self.fused_experts, self.chunk_size = pf, experts, chunk_size
+
+    def run(self, output: torch.Tensor, args: LayerArgs) -> torch.Tensor:
+        """Writes the layer output into ``output`` (M, K) and returns it."""
+        experts, pf = self.fused_experts, self.prepare_finalize
+        qc = experts.quant_config
+        check_layer_call(args, qc)
+        check_static_scales(args)
+        if args.expert_map is not None and not experts.supports_expert_map():
+            raise ValueError(f"{type(experts).__name__} does not support expert_map")
+        x, w1, w2 = args.hidden_states, args.w1, args.w2
+        m, k = x.shape
+        topk = args.topk_ids.shape[1]
+        e_local, n = w1.shape[0], w1.shape[1] // 2
+        num_experts = args.global_num_experts if args.global_num_experts > 0 else e_local
+        pf.check_local_experts(e_local)
+        if m == 0:
+            return output
+        chunk = min(m, self.chunk_size or default_chunk_size()) if experts.supports_chunking() else m
+        ws13_shape, ws2_shape, _ = experts.workspace_shapes(x, pf.num_dispatched_tokens(chunk), n, k, topk,
+                                                            num_experts, e_local)
+        workspace13 = torch.empty(math.prod(ws13_shape), dtype=x.dtype, device=x.device)
+        workspace2 = torch.empty(math.prod(ws2_shape), dtype=x.dtype, device=x.device)
+        for start in range(0, m, chunk):
+            end = min(m, start + chunk)
+            xc, ids, weights = x[start:end], args.topk_ids[start:end], args.topk_weights[start:end]
+            s13, s2, s_out = experts.workspace_shapes(xc, pf.num_dispatched_tokens(end - start), n, k, topk,
+                                                      num_experts, e_local)
+            ws13 = workspace13[: math.prod(s13)].view(s13)
+            ws2 = workspace2[: math.prod(s2)].view(s2)
+            prepared = pf.prepare(xc, weights, ids, num_experts, args.expert_map, args.apply_router_weight_on_input,
+                                  qc, args.a1_scale)
+            reduced = pf.accepts_reduced_output() and experts.reduces_topk(prepared.a1q.shape[0], topk)
+            fused_out = output[start:end] if reduced else ws13.view(s_out)
+            expert_ids = prepared.topk_ids if prepared.topk_ids is not None else ids
+            expert_weights = prepared.topk_weights if prepared.topk_weights is not None else weights
+            experts.apply(fused_out, prepared.a1q, w1, w2, expert_weights, expert_ids, args.activation, num_experts,
+                          args.expert_map, args.w1_scale, args.w2_scale, prepared.a1q_scale, args.a2_scale, ws13,
+                          ws2, prepared.expert_num_tokens, args.apply_router_weight_on_input, w1_bias=args.w1_bias,
+                          w2_bias=args.w2_bias)
+            pf.finalize(output[start:end], fused_out, weights, ids, args.apply_router_weight_on_input,
+                        num_experts=num_experts, expert_map=args.expert_map, prepared=prepared)
+        return output
+
+
+@functools.lru_cache(maxsize=256)
+def build(spec: KernelSpec) -> ModularKernel:
+    """The ModularKernel a spec describes (one per spec)."""
+    try:
+        pf_cls, ex_cls = PREPARE_FINALIZE_KINDS[spec.prepare_finalize], EXPERTS_KINDS[spec.experts]
+    except KeyError as err:
+        raise ValueError(f"unknown modular kernel part {err.args[0]!r}; known: "
+                         f"{sorted(PREPARE_FINALIZE_KINDS)} and {sorted(EXPERTS_KINDS)}") from None
+    pf = pf_cls.from_op_args(spec.prepare_finalize_args, spec.group_name)
+    experts = ex_cls.from_op_args(spec.experts_args, spec.quant)
+    return ModularKernel(pf, experts, spec.chunk_size)

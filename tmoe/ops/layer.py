@@ -1,0 +1,55 @@
+"""The layer ops ``tmoe::modular_forward`` (out of place) and ``tmoe::modular_forward_`` (in place).
+
+They take the layer call (``LayerArgs``) and what the kernel is (``KernelSpec``: kinds, their int
+parameters, the process group's name, the quant config, the chunk size) as primitive arguments,
+and rebuild the composition from that value inside the op (cached per spec). No handle, no
+registry of instances: layers with equal specs share one compiled graph, and modules copy,
+pickle and save like any other. Config lookup, chunking and workspace allocation run here,
+never in code that dynamo traces."""
+from __future__ import annotations
+
+import torch
+
+from tmoe.modular.call import LayerArgs, layer_schema
+from tmoe.modular.checks import check_layer_call, check_no_overlap
+from tmoe.modular.kernel import SPEC_SCHEMA, KernelSpec, build
+from tmoe.ops.autograd import inference_only
+
+_NUM_LAYER_ARGS = len(LayerArgs._fields)
+
+
+def _split(args: tuple) -> tuple[LayerArgs, KernelSpec]:
+    return LayerArgs(*args[:_NUM_LAYER_ARGS]), KernelSpec.from_args(*args[_NUM_LAYER_ARGS:])
+
+
+@torch.library.custom_op("tmoe::modular_forward", mutates_args=(),
+                         schema=f"({layer_schema()}, {SPEC_SCHEMA}) -> Tensor")
+def modular_forward(*args) -> torch.Tensor:
+    """(M, K) layer output of the modular kernel ``spec`` on ``call``."""
+    call, spec = _split(args)
+    return build(spec).run(torch.empty_like(call.hidden_states), call)
+
+
+@modular_forward.register_fake
+def _(*args):
+    call, spec = _split(args)
+    check_layer_call(call, spec.quant)
+    return torch.empty_like(call.hidden_states)
+
+
+@torch.library.custom_op("tmoe::modular_forward_", mutates_args=("hidden_states",),
+                         schema=f"({layer_schema(mutable_first=True)}, {SPEC_SCHEMA}) -> ()")
+def modular_forward_(*args) -> None:
+    """``modular_forward`` written into ``hidden_states``."""
+    call, spec = _split(args)
+    check_no_overlap(call.hidden_states)
+    build(spec).run(call.hidden_states, call)
+
+
+@modular_forward_.register_fake
+def _(*args):
+    call, spec = _split(args)
+    check_layer_call(call, spec.quant)
+
+
+inference_only(modular_forward)

@@ -1,0 +1,252 @@
+"""The stage ops ``torch.ops.tmoe.<stage>`` and their fakes. Implementations call the stage
+launchers in ``tmoe.kernels``; fakes check what the launchers check (naming the argument) and
+return tensors sized from static shapes only, with no branch on a symbolic size."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
+from tmoe.config import get_config
+from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
+from tmoe.kernels.common import cdiv
+from tmoe.kernels.gemm_args import Scales, check_gemm_operands
+from tmoe.kernels.moe_gemm import Routing, invoke_moe_gemm
+from tmoe.kernels.quant import (
+    FP8_DTYPE,
+    alloc_group_scales,
+    per_token_group_quant_fp8 as _per_token_group_quant_fp8,
+    per_token_quant_fp8 as _per_token_quant_fp8,
+    static_quant_fp8 as _static_quant_fp8,
+)
+from tmoe.kernels.reduce import moe_reduce as _reduce
+from tmoe.kernels.router import topk_route as _topk_route
+from tmoe.ops.autograd import inference_only
+
+
+@torch.library.custom_op("tmoe::moe_align_block_size", mutates_args=())
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _align(topk_ids, block_size, num_experts, expert_map)
+
+
+@moe_align_block_size.register_fake
+def _(topk_ids, block_size, num_experts, expert_map=None):
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES)
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=topk_ids.device)
+    max_padded, num_blocks = align_output_sizes(topk_ids.numel(), block_size, num_experts)
+    new = topk_ids.new_empty
+    return new(max_padded, dtype=torch.int32), new(num_blocks, dtype=torch.int32), new(1, dtype=torch.int32)
+
+
+def _scales(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, block_shape: list[int] | None) -> Scales | None:
+    if a_scale is None and w_scale is None:
+        return None
+    if a_scale is None or w_scale is None:
+        raise ValueError("a_scale and w_scale must be given together for fp8 operands")
+    return Scales(a_scale, w_scale, tuple(block_shape) if block_shape else None)
+
+
+def _check_routing(a: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+                   num_tokens_post_padded: torch.Tensor, block_m: int) -> None:
+    """The align outputs belong together and to ``block_m``: one expert id per block of sorted ids."""
+    for name, t in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids),
+                    ("num_tokens_post_padded", num_tokens_post_padded)):
+        check_tensor(name, t, dtypes=(torch.int32,), ndim=1, device=a.device)
+    if not isinstance(block_m, int) or block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16 (the align block size), got {block_m!r}")
+    if expert_ids.shape[0] != cdiv(sorted_token_ids.shape[0], block_m):
+        raise ValueError(f"expert_ids has {expert_ids.shape[0]} blocks but sorted_token_ids "
+                         f"({sorted_token_ids.shape[0]}) in blocks of block_m={block_m} needs "
+                         f"{cdiv(sorted_token_ids.shape[0], block_m)}: align with block_size=block_m")
+
+
+def _check_gemm(a, w, routing, block_m, gated, topk_weights, num_slots, a_name, w_name, k_dim, topk) -> None:
+    check_gemm_operands(a_name, a, w_name, w, k_dim)
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1 or num_slots % topk:
+        raise ValueError(f"topk must be a positive int dividing the {num_slots} slots, got {topk!r}")
+    _check_routing(a, *routing, block_m)
+    if gated and w.shape[1] % 2:
+        raise ValueError(f"{w_name} must be (E, 2N, K) with gate rows then up rows; got {w.shape[1]} rows")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), device=a.device)
+        if topk_weights.numel() != num_slots:
+            raise ValueError(f"topk_weights must hold one weight per slot ({num_slots}), got shape "
+                             f"{tuple(topk_weights.shape)}")
+
+
+def _gemm(a, w, routing, m, topk, a_row_div, block_m, gated, activation, topk_weights, a_scale, w_scale,
+          block_shape, out_dtype) -> torch.Tensor:
+    """One expert GEMM with the tiles the layer uses at (M=m, E, N, K, topk)."""
+    num_slots = m * topk
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    n, k = (n_out, w.shape[2]) if gated else (w.shape[2], w.shape[1])  # the layer's (N, K): w1 (E, 2N, K), w2 (E, K, N)
+    cfg = get_config(m, w.shape[0], n, k, topk, a.device,
+                     quant="fp8_w8a8" if a.dtype in FP8_DTYPES else None, block_shape=block_shape)
+    gemm_cfg = replace(cfg.up if gated else cfg.down, block_m=block_m)  # block_m: the align's block size
+    out = torch.empty((num_slots, n_out), dtype=out_dtype or a.dtype, device=a.device)
+    weights = topk_weights.reshape(-1) if topk_weights is not None else None
+    return invoke_moe_gemm(a, w, out, gemm_cfg, gated=gated, activation=activation,
+                           routing=Routing(*routing, num_slots, a_row_div), topk_weights=weights,
+                           scales=_scales(a_scale, w_scale, block_shape))
+
+
+@torch.library.custom_op("tmoe::moe_gemm_up", mutates_args=())
+def moe_gemm_up(
+    hidden_states: torch.Tensor, w1: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor, topk: int, block_m: int, activation: str = "silu",
+    topk_weights: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None, block_shape: list[int] | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """(M*topk, N) = act(x @ w1[e, :N].T) * (x @ w1[e, N:].T) per slot; ``topk_weights`` given
+    scales the input side (apply_router_weight_on_input)."""
+    routing = (sorted_token_ids, expert_ids, num_tokens_post_padded)
+    m = hidden_states.shape[0]
+    _check_gemm(hidden_states, w1, routing, block_m, True, topk_weights, m * topk, "hidden_states", "w1", "K",
+                topk)
+    return _gemm(hidden_states, w1, routing, m, topk, topk, block_m, True, activation, topk_weights, a_scale,
+                 w_scale, block_shape, out_dtype)
+
+
+@moe_gemm_up.register_fake
+def _(hidden_states, w1, sorted_token_ids, expert_ids, num_tokens_post_padded, topk, block_m, activation="silu",
+      topk_weights=None, a_scale=None, w_scale=None, block_shape=None, out_dtype=None):
+    m = hidden_states.shape[0]
+    _check_gemm(hidden_states, w1, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, True,
+                topk_weights, m * topk, "hidden_states", "w1", "K",
+                topk)
+    return hidden_states.new_empty((m * topk, w1.shape[1] // 2), dtype=out_dtype or hidden_states.dtype)
+
+
+@torch.library.custom_op("tmoe::moe_gemm_down", mutates_args=())
+def moe_gemm_down(
+    intermediate: torch.Tensor, w2: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor, topk: int, block_m: int, topk_weights: torch.Tensor | None = None,
+    a_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+    block_shape: list[int] | None = None, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """(M*topk, K) = intermediate[slot] @ w2[e].T, times ``topk_weights[slot]`` (float32) if given;
+    ``topk`` picks the layer's tiles (intermediate has M*topk rows)."""
+    routing = (sorted_token_ids, expert_ids, num_tokens_post_padded)
+    num_slots = intermediate.shape[0]
+    _check_gemm(intermediate, w2, routing, block_m, False, topk_weights, num_slots, "intermediate", "w2", "N", topk)
+    return _gemm(intermediate, w2, routing, num_slots // topk, topk, 1, block_m, False, "silu", topk_weights,
+                 a_scale, w_scale, block_shape, out_dtype)
+
+
+@moe_gemm_down.register_fake
+def _(intermediate, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk, block_m, topk_weights=None,
+      a_scale=None, w_scale=None, block_shape=None, out_dtype=None):
+    _check_gemm(intermediate, w2, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, False,
+                topk_weights, intermediate.shape[0], "intermediate", "w2", "N", topk)
+    return intermediate.new_empty((intermediate.shape[0], w2.shape[1]), dtype=out_dtype or intermediate.dtype)
+
+
+@torch.library.custom_op("tmoe::moe_reduce", mutates_args=())
+def moe_reduce(
+    y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(M, K) = sum_t w[m, t] * y[m, t] over the slots a local expert computed."""
+    return _reduce(y, topk_ids, num_experts, topk_weights, expert_map)
+
+
+@moe_reduce.register_fake
+def _(y, topk_ids, num_experts, topk_weights=None, expert_map=None):
+    check_tensor("y", y, dtypes=FLOAT_DTYPES, ndim=3)
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=y.device)
+    if tuple(topk_ids.shape) != tuple(y.shape[:2]):
+        raise ValueError(f"topk_ids must have shape (M, topk) = {tuple(y.shape[:2])} like y, got {tuple(topk_ids.shape)}")
+    for name, t in (("topk_weights", topk_weights), ("expert_map", expert_map)):
+        if t is not None:
+            check_tensor(name, t, device=y.device)
+    return y.new_empty((y.shape[0], y.shape[2]))
+
+
+@torch.library.custom_op("tmoe::topk_route", mutates_args=())
+def topk_route(
+    router_logits: torch.Tensor, topk: int, scoring: str = "softmax", renormalize: bool = True,
+    num_expert_group: int = 0, topk_group: int = 0, e_score_correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, topk) float32 weights and int32 ids from (M, E) router logits; num_expert_group 0 = no groups."""
+    return _topk_route(
+        router_logits, topk, scoring=scoring, renormalize=renormalize, num_expert_group=num_expert_group or None,
+        topk_group=topk_group or None, e_score_correction_bias=e_score_correction_bias,
+        routed_scaling_factor=routed_scaling_factor,
+    )
+
+
+@topk_route.register_fake
+def _(router_logits, topk, scoring="softmax", renormalize=True, num_expert_group=0, topk_group=0,
+      e_score_correction_bias=None, routed_scaling_factor=1.0):
+    check_tensor("router_logits", router_logits, dtypes=FLOAT_DTYPES, ndim=2)
+    if e_score_correction_bias is not None:
+        check_tensor("e_score_correction_bias", e_score_correction_bias, dtypes=(torch.float32,), ndim=1,
+                     device=router_logits.device)
+    e = router_logits.shape[1]
+    if not 1 <= topk <= e:
+        raise ValueError(f"topk must be in [1, E={e}] (router_logits is (M, E)), got {topk}")
+    m = router_logits.shape[0]
+    new = router_logits.new_empty
+    return new((m, topk), dtype=torch.float32), new((m, topk), dtype=torch.int32)
+
+
+def _check_quant_input(x: torch.Tensor) -> None:
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (..., K)")
+
+
+@torch.library.custom_op("tmoe::per_token_group_quant_fp8", mutates_args=())
+def per_token_group_quant_fp8(
+    x: torch.Tensor, group_size: int, eps: float = 1e-10, column_major_scales: bool = False, use_ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) fp8 codes and (..., K // group_size) float32 scales, one per group along K."""
+    return _per_token_group_quant_fp8(x, group_size, eps, column_major_scales, use_ue8m0)
+
+
+@per_token_group_quant_fp8.register_fake
+def _(x, group_size, eps=1e-10, column_major_scales=False, use_ue8m0=False):
+    _check_quant_input(x)
+    if group_size < 1 or x.shape[-1] % group_size:
+        raise ValueError(f"group_size must be a positive int dividing K={x.shape[-1]}, got {group_size}")
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    return q, alloc_group_scales(x.shape, group_size, column_major_scales, x.device)
+
+
+@torch.library.custom_op("tmoe::per_token_quant_fp8", mutates_args=())
+def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) fp8 codes and (..., 1) float32 per-token scales."""
+    return _per_token_quant_fp8(x, eps)
+
+
+@per_token_quant_fp8.register_fake
+def _(x, eps=1e-10):
+    _check_quant_input(x)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    return q, torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+
+
+@torch.library.custom_op("tmoe::static_quant_fp8", mutates_args=())
+def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(..., K) fp8 codes of x / scale, ``scale`` one float32 element."""
+    return _static_quant_fp8(x, scale)
+
+
+@static_quant_fp8.register_fake
+def _(x, scale):
+    _check_quant_input(x)
+    check_tensor("scale", scale, dtypes=(torch.float32,), device=x.device)
+    if scale.numel() != 1:
+        raise ValueError(f"scale must hold one element (a per-tensor scale), got shape {tuple(scale.shape)}")
+    return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+
+
+for _op in (moe_gemm_up, moe_gemm_down, moe_reduce, topk_route, per_token_group_quant_fp8, per_token_quant_fp8,
+            static_quant_fp8):
+    inference_only(_op)
