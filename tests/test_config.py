@@ -30,13 +30,12 @@ def test_table_lookup_nearest_m_and_env_dir(tmp_path, monkeypatch):
 
 
 def test_shipped_tables_load():
-    from tmoe.config.tables import load_table as _load_table
-    from pathlib import Path
+    from tmoe.config.tables import SHIPPED_CONFIGS, load_table
 
-    tables = list((Path(tmoe.__file__).parent / "configs").glob("*.json"))
+    tables = list(SHIPPED_CONFIGS.glob("*.json"))
     assert tables, "tuned tables must ship in the package"
     for path in tables:
-        assert _load_table(path.name, (path.parent,))
+        assert load_table(path.name, (path.parent,))
 
 
 @pytest.mark.parametrize("elem_size, gated", [(4, True), (2, True), (1, False)])

@@ -154,14 +154,14 @@ def test_expert_biases_with_swigluoai(dtype, fmt, route):
 def test_direct_route_runs_no_align_and_no_reduce(monkeypatch):
     """The decode path launches neither the align stage nor the reduce: the down GEMM writes
     the weighted sum straight into the layer output."""
-    import tmoe.experts
-    import tmoe.prepare_finalize
+    import tmoe.modular.experts
+    import tmoe.modular.prepare_finalize
 
     def fail(*args, **kwargs):
         raise AssertionError("the decode path must not align or reduce")
 
-    monkeypatch.setattr(tmoe.experts, "moe_align_block_size", fail)
-    monkeypatch.setattr(tmoe.prepare_finalize, "moe_reduce", fail)
+    monkeypatch.setattr(tmoe.modular.experts, "moe_align_block_size", fail)
+    monkeypatch.setattr(tmoe.modular.prepare_finalize, "moe_reduce", fail)
     p = make_problem(MoEShape(3, 8, 64, 64, 2), torch.float32, "uniform", seed=2, device=DEVICE)
     with tmoe.override_route("direct"):
         out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)

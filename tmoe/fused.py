@@ -1,11 +1,15 @@
-"""``tmoe.fused_experts``: vLLM's fused-MoE call, run by the default modular kernel as the layer op."""
+"""``tmoe.fused_experts``: vLLM's fused-MoE call, run by the default modular kernel.
+
+Under torch.compile (or when autograd would record the call) it goes through the layer op
+``tmoe::modular_forward``; in plain eager calls it runs the op's body directly, which skips the
+dispatcher's host time (tens of microseconds per call) and nothing else."""
 from __future__ import annotations
 
 import torch
 
-from tmoe.modular import KernelSpec, NoEPPrepareAndFinalize, TritonExperts
+from tmoe.modular import KernelSpec, NoEPPrepareAndFinalize, TritonExperts, build
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_no_grad_inplace
+from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 _NO_QUANT = FusedMoEQuantConfig()
@@ -14,14 +18,40 @@ _NO_QUANT = FusedMoEQuantConfig()
 # NoEPPrepareAndFinalize() + TritonExperts(): the spec's arguments before the quant config's;
 # the chunk size 0 means TMOE_CHUNK_SIZE (read inside the op)
 _DEFAULT_HEAD = KernelSpec.of(NoEPPrepareAndFinalize(), TritonExperts()).as_args()[:5]
+_DEFAULT_SPECS: dict[FusedMoEQuantConfig, KernelSpec] = {}
 
 
 def _default_spec_args(quant_config: FusedMoEQuantConfig) -> tuple:
     return (*_DEFAULT_HEAD, *quant_config.as_args(), 0)
 
 
+def _default_spec(quant_config: FusedMoEQuantConfig) -> KernelSpec:
+    spec = _DEFAULT_SPECS.get(quant_config)
+    if spec is None:
+        spec = _DEFAULT_SPECS[quant_config] = KernelSpec.from_args(*_default_spec_args(quant_config))
+    return spec
+
+
+def takes_op_path(args: LayerArgs) -> bool:
+    """Whether the call must go through the custom op: under torch.compile (the op is what gets
+    traced), on the meta device (the op's fake computes the shapes), or when autograd would
+    record it (the op's formula says the layer is inference-only)."""
+    if torch.compiler.is_compiling() or args.hidden_states.is_meta:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in args[:5])
+
+
+def run_layer(args: LayerArgs, spec: KernelSpec, inplace: bool) -> torch.Tensor:
+    """Eager call of the layer op's body (the dispatcher adds host time and nothing else here)."""
+    if inplace:
+        check_no_grad_inplace(args.hidden_states)
+        check_no_overlap(args.hidden_states)
+        return build(spec).run(args.hidden_states, args)
+    return build(spec).run(torch.empty_like(args.hidden_states), args)
+
+
 def run_layer_op(args: LayerArgs, spec_args: tuple, inplace: bool) -> torch.Tensor:
-    """Call the layer op (in place into hidden_states when ``inplace``)."""
+    """Call the layer op ``tmoe::modular_forward`` (in place: ``tmoe::modular_forward_``)."""
     if inplace:
         check_no_grad_inplace(args.hidden_states)
         torch.ops.tmoe.modular_forward_(*args, *spec_args)
@@ -64,4 +94,7 @@ def fused_experts(
         >>> out = tmoe.fused_experts(x, w1, w2, w, ids.int())
     """
     args = LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options)
-    return run_layer_op(args, _default_spec_args(quant_config or _NO_QUANT), inplace)
+    quant_config = quant_config or _NO_QUANT
+    if takes_op_path(args):
+        return run_layer_op(args, _default_spec_args(quant_config), inplace)
+    return run_layer(args, _default_spec(quant_config), inplace)

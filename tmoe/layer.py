@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tmoe.checks import positive_int
-from tmoe.fused import run_layer_op
+from tmoe.fused import takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
     FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize, TritonExperts,
 )
@@ -39,8 +39,10 @@ class FusedMoEModularKernel(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, inplace: bool = False, **options) -> torch.Tensor:
-        return run_layer_op(LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options), self._spec_args,
-                            inplace)
+        args = LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options)
+        if takes_op_path(args):
+            return run_layer_op(args, self._spec_args, inplace)
+        return run_layer(args, self.spec, inplace)
 
     def extra_repr(self) -> str:
         return f"{type(self.prepare_finalize).__name__} + {type(self.fused_experts).__name__}, chunk_size={self.chunk_size}"
