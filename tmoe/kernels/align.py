@@ -14,6 +14,7 @@ import triton.language as tl
 
 from tmoe.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.common import cdiv, next_power_of_2
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
@@ -155,6 +156,7 @@ def align_output_sizes(numel: int, block_size: int, num_experts: int) -> tuple[i
     return max_padded, cdiv(max_padded, block_size)
 
 
+@with_interpreter_fixes
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None,
     expert_offsets: torch.Tensor | None = None,

@@ -12,6 +12,7 @@ import triton.language as tl
 from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.common import cdiv, next_power_of_2
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 
 @triton.jit
@@ -60,6 +61,7 @@ def _batched_dispatch_kernel(
             tl.store(out_scale_ptr + local * stride_ose + rows[:, None] * stride_osm + offs_s[None, :], vals, mask=mask)
 
 
+@with_interpreter_fixes
 def batched_dispatch(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

@@ -15,6 +15,7 @@ import triton.language as tl
 from tmoe.config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
 from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 
 @triton.jit
@@ -102,6 +103,7 @@ def _moe_down_reduce_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row0 & mask_n[None, :])
 
 
+@with_interpreter_fixes
 def moe_down_reduce(
     a: torch.Tensor,
     w: torch.Tensor,

@@ -22,6 +22,7 @@ from tmoe.kernels.common import (
     moe_tile_matmul_tma, tile_ids, to_fp8,
 )
 from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, uniform_w_scale, weight_descriptor
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -172,6 +173,7 @@ class DirectRouting:
     a_row_div: int = 1
 
 
+@with_interpreter_fixes
 def invoke_moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 
 @triton.jit
@@ -43,6 +44,7 @@ def _moe_reduce_kernel(
     tl.store(out_ptr + pid_m * stride_om + offs_k * stride_ok, acc.to(out_ptr.dtype.element_ty), mask=mask_k)
 
 
+@with_interpreter_fixes
 def moe_reduce(
     y: torch.Tensor,
     topk_ids: torch.Tensor,
