@@ -145,7 +145,8 @@ _USER_KERNELS = textwrap.dedent("""
 
     def user_results():
         g = torch.Generator().manual_seed(0)
-        a, b, x = torch.randn(16, 16, generator=g).bfloat16(), torch.randn(16, 16, generator=g).bfloat16(), torch.randn(256, generator=g)
+        a, b = torch.randn(16, 16, generator=g).bfloat16(), torch.randn(16, 16, generator=g).bfloat16()
+        x = torch.randn(256, generator=g)
         c, y = torch.zeros(16, 16), torch.zeros(256, dtype=torch.bfloat16)
         user_dot[(1,)](a, b, c, N=16)
         user_cast[(1,)](x, y, N=256)

@@ -43,7 +43,7 @@ def _moe_gemm_kernel(
     topk_ids_ptr,  # [num_slots] int32/int64, direct only
     expert_map_ptr,  # [num_experts] int32 global -> local id or -1 (HAS_MAP), direct only
     out_scale_ptr,  # QUANT_OUT: [rows, cdiv(N, GROUP_OUT)] float32 (Batched: [E, cap, ...])
-    N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert, num_experts,
+    N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert, num_experts, num_local_experts,
     stride_ae, stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_oe, stride_om, stride_on,
@@ -75,7 +75,8 @@ def _moe_gemm_kernel(
         if ROUTE == "direct":  # row 0 of the block is slot pid_m, the other rows are masked
             slots = pid_m.to(tl.int64) + offs_bm  # [BM]
             mask_m = offs_bm == 0
-            expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, HAS_MAP)
+            expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, num_local_experts,
+                                  HAS_MAP)
         else:
             if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
                 return
@@ -90,7 +91,7 @@ def _moe_gemm_kernel(
     mask_n = offs_n < N
     out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on  # [BM, BN]
     mask_out = mask_m[:, None] & mask_n[None, :]
-    if expert < 0:  # a remote (expert_map) or, direct, out-of-range expert: its slots contribute exactly zero
+    if expert < 0:  # remote (expert_map) or, direct, an out-of-range id or map entry: the slots contribute exactly zero
         tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask_out)
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -165,7 +166,8 @@ class Routing:
 @dataclass(frozen=True)
 class DirectRouting:
     """Standard-format rows without the align stage: slot s is row s // a_row_div of A and its
-    expert is ``topk_ids[s]`` (mapped through ``expert_map``; out of range or remote: zero)."""
+    expert is ``topk_ids[s]`` (mapped through ``expert_map``; an id out of range, or mapped outside
+    [0, E_local) with E_local the weights' expert count: zero)."""
 
     topk_ids: torch.Tensor  # [M, topk] int32/int64, contiguous
     num_experts: int  # global expert count
@@ -204,7 +206,8 @@ def invoke_moe_gemm(
     unused = w  # pointer arguments the route does not read
     route = dict(sorted_ids_ptr=unused, expert_ids_ptr=unused, num_post_padded_ptr=unused,
                  expert_num_tokens_ptr=unused, topk_ids_ptr=unused, expert_map_ptr=unused,
-                 num_experts=0, HAS_MAP=False, stride_ae=0, stride_oe=0, blocks_per_expert=1)
+                 num_experts=0, num_local_experts=w.shape[0], HAS_MAP=False, stride_ae=0, stride_oe=0,
+                 blocks_per_expert=1)
     if batched:
         cap = a.shape[1]
         route.update(ROUTE="batched", blocks_per_expert=cdiv(cap, config.block_m), num_slots=0, a_row_div=1,
