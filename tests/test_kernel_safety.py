@@ -1,5 +1,6 @@
-"""expert_map entries outside [-1, E_local) behave exactly like -1 (remote) in every launcher,
-and a skipped slot's router weight is never read, so a NaN there cannot reach a valid row.
+"""Kernels stay inside their buffers: expert_map entries outside [-1, E_local) behave exactly
+like -1 (remote) in every launcher, a skipped slot's router weight is never read (a NaN there
+cannot reach a valid row), and addresses past 2**31 elements are int64.
 
 The local weights are the first E_local experts of a NaN-filled buffer: a read of expert
 E_local or beyond returns NaN instead of passing unnoticed."""
@@ -131,3 +132,20 @@ def test_expert_map_needs_the_local_expert_count():
         moe_align_block_size(ids, 16, E, emap)
     with pytest.raises(ValueError, match="num_local_experts"):
         moe_reduce(torch.zeros(2, 2, 8, device=DEVICE), ids, E, None, emap)
+
+
+@pytest.mark.gpu
+def test_dispatch_addresses_past_2_to_the_31_elements():
+    """One expert's batch of capacity * K > 2**31 fp8 elements: rows near its end land where
+    they belong (an int32 row * stride wraps negative)."""
+    k, topk = 16384, 8
+    capacity = 2**31 // k + 64
+    m = capacity // topk + 8  # every slot on expert 0: the last 64 slots are dropped
+    x = torch.randint(-100, 100, (m, k), dtype=torch.int8, device="cuda").view(torch.float8_e4m3fn)
+    ids = torch.zeros(m, topk, dtype=torch.int32, device="cuda")
+    batches, _, counts, rows = batched_dispatch(x, ids, 1, 1, capacity)
+    assert batches.numel() > 2**31 and counts.tolist() == [capacity]
+    slots = torch.arange(m * topk, device="cuda").view(m, topk)
+    assert torch.equal(rows, torch.where(slots < capacity, slots, -1).int())
+    for row in (capacity - 1, capacity - 2, capacity // 2 + 3, 2**31 // k):
+        assert torch.equal(batches[0, row].view(torch.int8), x[row // topk].view(torch.int8)), row

@@ -43,7 +43,7 @@ def _batched_dispatch_kernel(
     if (pid_r == 0) & (local >= 0):
         tl.store(expert_num_tokens_ptr + local, tl.minimum(count, capacity))
     for r0 in range(pid_r * BLOCK_R, count, tl.num_programs(1) * BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)  # [BR]
+        rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]; rows * stride_om reaches capacity * K
         mask_r = rows < count
         slots = tl.load(sorted_ids_ptr + start + rows, mask=mask_r, other=0)
         kept = mask_r & (rows < capacity) & (local >= 0)
