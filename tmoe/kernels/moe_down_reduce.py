@@ -14,7 +14,7 @@ import triton.language as tl
 
 from tmoe.config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
-from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args
+from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, shared_memory_budget
 from tmoe.kernels.interpreter import with_interpreter_fixes
 
 
@@ -135,7 +135,7 @@ def moe_down_reduce(
     n_out, k = w.shape[1], w.shape[2]
     if m == 0 or n_out == 0:
         return out
-    config = fit_shared_memory(config, a.element_size(), gated=False)
+    config = fit_shared_memory(config, a.element_size(), gated=False, budget=shared_memory_budget(a.device))
     sargs = scale_args(scales, a, w, config)
     sargs.pop("stride_ase")
     grid = (m * cdiv(n_out, config.block_n),)

@@ -21,7 +21,9 @@ from tmoe.kernels.common import (
     abs_no_nan, act_and_mul, cdiv, fp8_scale, local_expert, moe_tile_matmul,
     moe_tile_matmul_tma, tile_ids, to_fp8,
 )
-from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, uniform_w_scale, weight_descriptor
+from tmoe.kernels.gemm_args import (
+    Scales, fit_shared_memory, scale_args, shared_memory_budget, uniform_w_scale, weight_descriptor,
+)
 from tmoe.kernels.interpreter import with_interpreter_fixes
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
@@ -225,7 +227,7 @@ def invoke_moe_gemm(
                      num_slots=routing.num_slots, a_row_div=routing.a_row_div)
     if num_pid_m == 0 or n == 0:
         return out
-    config = fit_shared_memory(config, a.element_size(), gated)
+    config = fit_shared_memory(config, a.element_size(), gated, shared_memory_budget(a.device))
     if out_scale is not None:
         group_out = fused_quant_group(n, out_scale.shape[-1], config, gated)
         os_st = (out_scale.stride(0) if batched else 0, out_scale.stride(-2), out_scale.stride(-1))
