@@ -110,7 +110,8 @@ def test_each_workaround_is_needed_and_works(fault):
 
 def _run(script: str) -> None:
     """Run ``script`` in a fresh interpreter (nothing patched yet) with this checkout's tmoe."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1"}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
