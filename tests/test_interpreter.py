@@ -1,5 +1,6 @@
 """tmoe's Triton-interpreter workarounds (tmoe/kernels/interpreter.py): on by default for tmoe's
 launches, gone for everybody else's, and each one still needed by the interpreter in use."""
+import json
 import os
 import pathlib
 import subprocess
@@ -99,22 +100,43 @@ FAULTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def fault_results() -> dict[str, list[bool]]:
+    """Each check on the bare interpreter and inside ``interpreter_fixes``, in a fresh process
+    (an earlier test may have installed the fixes process-wide with ``patch_interpreter``)."""
+    out = _run(textwrap.dedent(f"""
+        import importlib.util, json
+        from tmoe.kernels.interpreter import interpreter_fixes
+        spec = importlib.util.spec_from_file_location("faults", {str(pathlib.Path(__file__))!r})
+        faults = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(faults)
+        results = {{}}
+        for name, check in faults.FAULTS.items():
+            bare = check()
+            with interpreter_fixes():
+                results[name] = [bare, check()]
+        print(json.dumps(results))
+    """))
+    return json.loads(out.splitlines()[-1])
+
+
 @pytest.mark.parametrize("fault", FAULTS)
-def test_each_workaround_is_needed_and_works(fault):
+def test_each_workaround_is_needed_and_works(fault, fault_results):
     """The bare interpreter still has the fault (when this fails, Triton fixed it: drop the
     workaround); inside ``interpreter_fixes`` the result is the GPU's."""
-    assert not FAULTS[fault](), f"Triton {triton.__version__}'s interpreter no longer needs the '{fault}' workaround"
-    with interpreter_fixes():
-        assert FAULTS[fault]()
+    bare, fixed = fault_results[fault]
+    assert not bare, f"Triton {triton.__version__}'s interpreter no longer needs the '{fault}' workaround"
+    assert fixed
 
 
-def _run(script: str) -> None:
-    """Run ``script`` in a fresh interpreter (nothing patched yet) with this checkout's tmoe."""
+def _run(script: str) -> str:
+    """Run ``script`` in a fresh interpreter (nothing patched yet) with this checkout's tmoe; its stdout."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
 
 
 def test_default_bf16_layer_matches_reference_in_fresh_process():
