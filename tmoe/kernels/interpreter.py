@@ -2,8 +2,8 @@
 a tmoe launcher runs.
 
 Each one makes the interpreter compute what a GPU computes; kernel code is never changed for
-them. Present in Triton 3.6.0 and 3.9.0 alike (``tests/test_interpreter.py`` checks that the
-unpatched interpreter still shows each fault, so a fixed one is noticed and dropped):
+them. All are present in Triton 3.6.0 through 3.9.0 (``tests/test_interpreter.py`` checks that
+the unpatched interpreter still shows each fault, so a fixed one is noticed and dropped):
 
 * fp32 -> bf16 casts truncate instead of rounding to nearest even, fp32 -> fp8 casts drop the
   mantissa carry (124.3 becomes 64, not 128) and fp8 NaN decodes as a number: the bit-twiddling
@@ -20,7 +20,8 @@ unpatched interpreter still shows each fault, so a fixed one is noticed and drop
 
 ``interpreter_fixes`` swaps the patched functions in for the duration of a launch and puts the
 originals back, so other Triton code in the process sees the interpreter unchanged; on a GPU
-(no interpreter) ``with_interpreter_fixes`` returns the launcher untouched.
+(no interpreter) ``with_interpreter_fixes`` returns the launcher untouched. The 3.6 interpreter's
+scalar indexing fails on numpy >= 2.4 (3.7 to 3.9 do not): the ``test`` extra pins ``numpy<2.4``.
 """
 from __future__ import annotations
 
