@@ -7,10 +7,11 @@ import torch.nn.functional as F
 
 
 def align_reference(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None,
+    num_local_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Unpadded-tail form of moe_align_block_size: (sorted ids up to the padded length, expert ids
-    of the used blocks, padded length)."""
+    of the used blocks, padded length). Mapped ids outside [0, num_local_experts) read -1."""
     flat = topk_ids.reshape(-1).long().cpu()
     numel = flat.numel()
     ids, experts = [], []
@@ -21,6 +22,8 @@ def align_reference(
         padded = -(-len(slots) // block_size) * block_size
         ids += slots + [numel] * (padded - len(slots))
         local = e if expert_map is None else int(expert_map[e])
+        if num_local_experts is not None and not 0 <= local < num_local_experts:
+            local = -1
         experts += [local] * (padded // block_size)
     return torch.tensor(ids, dtype=torch.int32), torch.tensor(experts, dtype=torch.int32), len(ids)
 
@@ -38,11 +41,18 @@ def act_and_mul_reference(gate: torch.Tensor, up: torch.Tensor, activation: str)
     raise ValueError(f"unknown activation {activation!r}")
 
 
-def valid_slots(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    """(M, topk) bool: the slot's expert is in range and (with expert_map) local."""
+def valid_slots(
+    topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None,
+    num_local_experts: int | None = None,
+) -> torch.Tensor:
+    """(M, topk) bool: the slot's expert is in range and (with expert_map) local, its local id
+    in [0, num_local_experts) when that is given."""
     ok = (topk_ids >= 0) & (topk_ids < num_experts)
     if expert_map is not None:
-        ok &= expert_map.to(topk_ids.device)[topk_ids.clamp(0, num_experts - 1).long()] >= 0
+        local = expert_map.to(topk_ids.device)[topk_ids.clamp(0, num_experts - 1).long()]
+        ok &= local >= 0
+        if num_local_experts is not None:
+            ok &= local < num_local_experts
     return ok
 
 
@@ -64,8 +74,8 @@ def moe_reference(
     e = topk_ids[m,t].
 
     w1 (E_local, 2N, K) gate rows first; w2 (E_local, K, N); optional biases b1 (E_local, 2N),
-    b2 (E_local, K). Slots of out-of-range or remote experts contribute zero. Computed expert by
-    expert in ``dtype``; returns (M, K).
+    b2 (E_local, K). Slots of out-of-range or remote experts contribute zero, as do those that
+    expert_map sends outside [0, E_local). Computed expert by expert in ``dtype``; returns (M, K).
     """
     num_experts = global_num_experts if global_num_experts > 0 else w1.shape[0]
     n = w1.shape[1] // 2
@@ -74,7 +84,7 @@ def moe_reference(
     for e in range(num_experts):
         local = e if expert_map is None else int(expert_map[e])
         rows, cols = (topk_ids == e).nonzero(as_tuple=True)
-        if local < 0 or rows.numel() == 0:
+        if not 0 <= local < w1.shape[0] or rows.numel() == 0:
             continue
         weight = topk_weights[rows, cols].to(dtype).unsqueeze(1)
         xe = x[rows] * weight if apply_router_weight_on_input else x[rows]

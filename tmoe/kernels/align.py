@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from tmoe.checks import INDEX_DTYPES, check_tensor
-from tmoe.kernels.common import cdiv, next_power_of_2
+from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
@@ -24,12 +25,13 @@ SUBS_PER_CHUNK = 4  # sub-tiles each program walks in sequence (each step depend
 def _write_layout(
     starts, totals, ends,  # [E_PAD] int32: first position, slot count, end of the padded run
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
-    numel, num_experts, max_padded, num_blocks,
+    numel, num_experts, num_local_experts, max_padded, num_blocks,
     BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """Write everything but the real slots: the padded length, each block's expert, the sentinels,
-    and (HAS_OFFSETS) each expert's first position, ``offsets[E]`` = the padded length."""
+    """Write everything but the real slots: the padded length, each block's expert (HAS_MAP: its
+    local id, -1 when remote or outside [0, num_local_experts)), the sentinels, and (HAS_OFFSETS)
+    each expert's first position, ``offsets[E]`` = the padded length."""
     total_padded = tl.sum(ends - starts, axis=0)
     tl.store(num_post_padded_ptr, total_padded)
     if HAS_OFFSETS:
@@ -43,6 +45,7 @@ def _write_layout(
         in_use = pos < total_padded
         if HAS_MAP:
             expert = tl.load(expert_map_ptr + expert, mask=in_use, other=0)
+            expert = tl.where((expert >= 0) & (expert < num_local_experts), expert, -1)
         tl.store(expert_ids_ptr + offs_b, tl.where(in_use, expert, 0), mask=offs_b < num_blocks)
     for j0 in range(0, BLOCK_SIZE, TILE):
         pos = (starts + totals)[:, None] + (j0 + tl.arange(0, TILE))[None, :]  # [E_PAD, TILE]
@@ -90,15 +93,15 @@ def _padded_runs(totals, BLOCK_SIZE: tl.constexpr):
 @triton.jit(do_not_specialize=['numel', 'max_padded', 'num_blocks'])
 def _align_single_kernel(
     topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
-    numel, num_experts, max_padded, num_blocks,
+    numel, num_experts, num_local_experts, max_padded, num_blocks,
     BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr,
 ):
     totals = _chunk_counts(topk_ids_ptr, 0, numel, num_experts, CHUNK, E_PAD)
     starts, ends = _padded_runs(totals, BLOCK_SIZE)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
-                  offsets_ptr, numel, num_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD, HAS_MAP, HAS_OFFSETS,
-                  TILE)
+                  offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
+                  HAS_MAP, HAS_OFFSETS, TILE)
     _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, 0, starts, numel, num_experts, CHUNK, SUB, E_PAD)
 
 
@@ -113,7 +116,7 @@ def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.
 def _align_scan_kernel(
     counts_ptr,  # [num_chunks, E_PAD] int32: in, per-chunk counts; out, per-chunk base positions
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
-    num_chunks, numel, num_experts, max_padded, num_blocks,
+    num_chunks, numel, num_experts, num_local_experts, max_padded, num_blocks,
     BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, CT: tl.constexpr, HAS_MAP: tl.constexpr,
     HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr,
 ):
@@ -133,8 +136,8 @@ def _align_scan_kernel(
         tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + run[None, :], mask=mask)
         run += tl.sum(counts, axis=0)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
-                  offsets_ptr, numel, num_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD, HAS_MAP, HAS_OFFSETS,
-                  TILE)
+                  offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
+                  HAS_MAP, HAS_OFFSETS, TILE)
 
 
 @triton.jit(do_not_specialize=['numel'])
@@ -155,9 +158,10 @@ def align_output_sizes(numel: int, block_size: int, num_experts: int) -> tuple[i
     return max_padded, cdiv(max_padded, block_size)
 
 
+@with_interpreter_fixes
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None,
-    expert_offsets: torch.Tensor | None = None,
+    expert_offsets: torch.Tensor | None = None, *, num_local_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the ``topk_ids.numel()`` slots by expert, each run padded to ``block_size``.
 
@@ -165,14 +169,16 @@ def moe_align_block_size(
         topk_ids: (M, topk) int32/int64, contiguous. Ids outside [0, num_experts) are skipped.
         block_size: the GEMM's BLOCK_M (a power of two).
         num_experts: global expert count E.
-        expert_map: optional (E,) int32, global id -> local id or -1 (remote); maps ``expert_ids``.
+        expert_map: optional (E,) int32, global id -> local id; maps ``expert_ids``, where a value
+            outside [0, num_local_experts) becomes -1 (remote: the GEMMs write zeros).
         expert_offsets: optional (E + 1,) int32 output: each expert's first position in
             ``sorted_token_ids``, then the padded length.
+        num_local_experts: the local expert count, required with ``expert_map``.
 
     Returns:
         sorted_token_ids (int32, ``numel + E*(block_size-1)``, capped at ``numel*block_size``):
         slot indices grouped by expert in ascending order, padding = ``numel``;
-        expert_ids (int32, one per block; unused tail blocks 0);
+        expert_ids (int32, one per block, -1 for remote experts; unused tail blocks 0);
         num_tokens_post_padded (int32, (1,)): sum over experts of round_up(count, block_size).
 
     Example:
@@ -187,6 +193,7 @@ def moe_align_block_size(
         check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
         if expert_map.shape[0] != num_experts:
             raise ValueError(f"expert_map must have num_experts={num_experts} entries, got {expert_map.shape[0]}")
+    num_local_experts = check_num_local_experts(num_local_experts, expert_map, num_experts)
     if expert_offsets is not None:
         check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32,), ndim=1, device=topk_ids.device)
         if expert_offsets.shape[0] != num_experts + 1:
@@ -207,17 +214,16 @@ def moe_align_block_size(
     sub = min(sub, chunk)
     if numel <= chunk:
         _align_single_kernel[(1,)](
-            topk_ids, sorted_ids, expert_ids, num_post_padded, emap, offsets, numel, num_experts, max_padded,
-            num_blocks, CHUNK=chunk, SUB=sub, **meta,
+            topk_ids, sorted_ids, expert_ids, num_post_padded, emap, offsets, numel, num_experts, num_local_experts,
+            max_padded, num_blocks, CHUNK=chunk, SUB=sub, **meta,
         )
         return sorted_ids, expert_ids, num_post_padded
     num_chunks = cdiv(numel, chunk)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
     _align_count_kernel[(num_chunks,)](topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad)
     _align_scan_kernel[(1,)](
-        counts, sorted_ids, expert_ids, num_post_padded, emap, offsets, num_chunks, numel, num_experts, max_padded,
-        num_blocks,
-        CT=max(1, 4096 // e_pad), **meta,
+        counts, sorted_ids, expert_ids, num_post_padded, emap, offsets, num_chunks, numel, num_experts,
+        num_local_experts, max_padded, num_blocks, CT=max(1, 4096 // e_pad), **meta,
     )
     _align_scatter_kernel[(num_chunks,)](
         topk_ids, sorted_ids, counts, numel, num_experts, CHUNK=chunk, SUB=sub, E_PAD=e_pad

@@ -41,10 +41,12 @@ def tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def local_expert(topk_ids_ptr, expert_map_ptr, slot, num_experts, HAS_MAP: tl.constexpr, mask=None):
+def local_expert(topk_ids_ptr, expert_map_ptr, slot, num_experts, num_local_experts, HAS_MAP: tl.constexpr,
+                 mask=None):
     """The local expert (int64) of ``slot`` (a scalar or a vector of slots, ``mask`` marking the
     real ones): topk_ids[slot], mapped through expert_map when HAS_MAP; -1 when the id is
-    outside [0, num_experts), the expert is remote, or the slot is masked."""
+    outside [0, num_experts), the mapped id outside [0, num_local_experts) (remote, or a bad
+    map entry), or the slot is masked."""
     if mask is None:
         expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
     else:
@@ -52,6 +54,7 @@ def local_expert(topk_ids_ptr, expert_map_ptr, slot, num_experts, HAS_MAP: tl.co
     valid = (expert >= 0) & (expert < num_experts)
     if HAS_MAP:
         expert = tl.load(expert_map_ptr + expert, mask=valid, other=-1).to(tl.int64)
+        valid &= (expert >= 0) & (expert < num_local_experts)
     return tl.where(valid, expert, -1)
 
 
@@ -218,3 +221,13 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """Host-side smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def check_num_local_experts(num_local_experts: int | None, expert_map: object, num_experts: int) -> int:
+    """The bound on mapped expert ids: ``num_local_experts``, required with an ``expert_map``;
+    without one, ids are local ids and the bound is ``num_experts``."""
+    if expert_map is None:
+        return num_experts
+    if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or num_local_experts < 0:
+        raise ValueError(f"expert_map needs num_local_experts, a non-negative int; got {num_local_experts!r}")
+    return num_local_experts

@@ -12,6 +12,7 @@ import triton.language as tl
 from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.common import cdiv, next_power_of_2
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 
 @triton.jit
@@ -20,12 +21,12 @@ def _batched_dispatch_kernel(
     x_scale_ptr,  # [M, S] float32 per-token (group) scales, HAS_SCALE only
     sorted_ids_ptr,  # [numel] int32 slots grouped by expert (block size 1)
     offsets_ptr,  # [E + 1] int32 first position of each expert in sorted_ids
-    expert_map_ptr,  # [E] int32 global -> local or -1
+    expert_map_ptr,  # [E] int32 global -> local; outside [0, E_local) (-1: remote) is skipped
     out_ptr,  # [E_local, CAP, K]
     out_scale_ptr,  # [E_local, CAP, S]
-    expert_num_tokens_ptr,  # [E_local] int32
+    expert_num_tokens_ptr,  # [E_local] int32, zeroed by the launcher
     dispatch_rows_ptr,  # [numel] int32: row in (E_local * CAP, K) or -1 (dropped, remote)
-    K, S, topk, capacity,
+    K, S, topk, capacity, num_local_experts,
     stride_xm, stride_sm, stride_oe, stride_om, stride_ose, stride_osm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
     HAS_MAP: tl.constexpr, HAS_SCALE: tl.constexpr,
@@ -38,10 +39,11 @@ def _batched_dispatch_kernel(
     if HAS_MAP:
         local = tl.load(expert_map_ptr + expert)
     local = local.to(tl.int64)
+    local = tl.where((local >= 0) & (local < num_local_experts), local, -1)
     if (pid_r == 0) & (local >= 0):
         tl.store(expert_num_tokens_ptr + local, tl.minimum(count, capacity))
     for r0 in range(pid_r * BLOCK_R, count, tl.num_programs(1) * BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)  # [BR]
+        rows = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BR]; rows * stride_om reaches capacity * K
         mask_r = rows < count
         slots = tl.load(sorted_ids_ptr + start + rows, mask=mask_r, other=0)
         kept = mask_r & (rows < capacity) & (local >= 0)
@@ -60,6 +62,7 @@ def _batched_dispatch_kernel(
             tl.store(out_scale_ptr + local * stride_ose + rows[:, None] * stride_osm + offs_s[None, :], vals, mask=mask)
 
 
+@with_interpreter_fixes
 def batched_dispatch(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -74,13 +77,16 @@ def batched_dispatch(
     Args:
         x: (M, K) float or fp8 activations, last dim contiguous.
         topk_ids: (M, topk) int32/int64 global expert ids; out-of-range ids are skipped.
-        num_experts: global expert count E; ``expert_map`` (E,) int32 maps to local ids or -1.
+        num_experts: global expert count E; ``expert_map`` (E,) int32 maps to local ids, a value
+            outside [0, num_local_experts) (-1: remote) skips the slot.
+        num_local_experts: batches in the output; without a map, ids >= it are skipped too.
         capacity: rows per expert; an expert's slots beyond it are dropped (lowest slots kept).
         x_scale: optional (M, S) float32 per-token scales, dispatched alongside.
 
     Returns:
         batches (E_local, capacity, K) in x.dtype (rows past ``expert_num_tokens`` unwritten),
-        batch scales (E_local, capacity, S) or None, expert_num_tokens (E_local,) int32,
+        batch scales (E_local, capacity, S) or None, expert_num_tokens (E_local,) int32 (0 for
+        a local expert no global id maps to),
         dispatch_rows (M, topk) int32: each slot's row in the (E_local * capacity, K) view, or -1
         if dropped or remote (slots with out-of-range ids are left unwritten).
     """
@@ -95,7 +101,7 @@ def batched_dispatch(
     m, k = x.shape
     dev = x.device
     out = torch.empty((num_local_experts, capacity, k), dtype=x.dtype, device=dev)
-    expert_num_tokens = torch.empty(num_local_experts, dtype=torch.int32, device=dev)
+    expert_num_tokens = torch.zeros(num_local_experts, dtype=torch.int32, device=dev)  # locals nothing maps to
     dispatch_rows = torch.empty(topk_ids.shape, dtype=torch.int32, device=dev)
     out_scale = None
     s = 0
@@ -112,7 +118,7 @@ def batched_dispatch(
     _batched_dispatch_kernel[grid](
         x, scale_ref, sorted_ids, offsets, expert_map if expert_map is not None else offsets,
         out, out_scale_ref, expert_num_tokens, dispatch_rows,
-        K=k, S=s, topk=topk_ids.shape[1], capacity=capacity,
+        K=k, S=s, topk=topk_ids.shape[1], capacity=capacity, num_local_experts=num_local_experts,
         stride_xm=x.stride(0), stride_sm=scale_ref.stride(0), stride_oe=out.stride(0), stride_om=out.stride(1),
         stride_ose=out_scale_ref.stride(0), stride_osm=out_scale_ref.stride(1),
         BLOCK_R=block_r, BLOCK_K=min(256, next_power_of_2(max(k, 16))),

@@ -2,6 +2,7 @@
 shared-memory fit of a tile config, the weights' TMA descriptor, operand checks."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -63,20 +64,38 @@ def scale_args(scales: Scales | None, a: torch.Tensor, w: torch.Tensor, config: 
                 stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="scaled")
 
 
-SHARED_MEMORY_BUDGET = 200 * 1024  # bytes; Hopper allows 227 KB per block, leave room for the epilogue
+SHARED_MEMORY_BUDGET = 200 * 1024  # bytes off a GPU (the interpreter); Hopper's 227 KB minus the margin
+EPILOGUE_MARGIN = 27 * 1024  # of a device's per-block limit, left for the epilogue's own shared memory
 
 
-def fit_shared_memory(config: GemmConfig, elem_size: int, gated: bool) -> GemmConfig:
-    """Fewer pipeline stages, then a smaller block_k, until the staged A and B tiles fit."""
+@functools.cache
+def _device_budget(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin - EPILOGUE_MARGIN
+
+
+def shared_memory_budget(device: torch.device) -> int:
+    """Bytes a tile config may stage on ``device``: its opt-in shared memory per block minus
+    EPILOGUE_MARGIN (227 KB -> 200 KB on H100/H200, 99 KB -> 72 KB on Ada), read once per
+    device index; SHARED_MEMORY_BUDGET off a GPU."""
+    if device.type != "cuda":
+        return SHARED_MEMORY_BUDGET
+    return _device_budget(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def fit_shared_memory(
+    config: GemmConfig, elem_size: int, gated: bool, budget: int = SHARED_MEMORY_BUDGET
+) -> GemmConfig:
+    """Fewer pipeline stages, then a smaller block_k, until the staged A and B tiles fit in
+    ``budget`` bytes (block_m and block_n stay: the align stage and the epilogue depend on them)."""
     tile_n = config.block_n * (2 if gated else 1)
 
     def need(stages: int, block_k: int) -> int:
         return stages * block_k * (config.block_m + tile_n) * elem_size
 
     stages, block_k = config.num_stages, config.block_k
-    while need(stages, block_k) > SHARED_MEMORY_BUDGET and stages > 2:
+    while need(stages, block_k) > budget and stages > 2:
         stages -= 1
-    while need(stages, block_k) > SHARED_MEMORY_BUDGET and block_k > 16:
+    while need(stages, block_k) > budget and block_k > 16:
         block_k //= 2
     if (stages, block_k) == (config.num_stages, config.block_k):
         return config

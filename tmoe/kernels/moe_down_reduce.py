@@ -14,7 +14,8 @@ import triton.language as tl
 
 from tmoe.config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
-from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args
+from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, shared_memory_budget
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def _moe_down_reduce_kernel(
     topk_ids_ptr,  # [num_tokens, TOPK] int32/int64, contiguous
     expert_map_ptr,  # [num_experts] int32 (HAS_MAP)
     bias_ptr,  # [E, N] (HAS_BIAS)
-    N, K, num_tokens, num_experts,
+    N, K, num_tokens, num_experts, num_local_experts,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
@@ -55,7 +56,8 @@ def _moe_down_reduce_kernel(
     # registers and the loop index, so the pipeliner can prefetch across slot boundaries
     offs_t = tl.arange(0, TOPK_P2)
     slots_t = pid_m * TOPK + offs_t  # [TP]
-    experts_t = local_expert(topk_ids_ptr, expert_map_ptr, slots_t, num_experts, HAS_MAP, offs_t < TOPK)  # [TP]
+    experts_t = local_expert(topk_ids_ptr, expert_map_ptr, slots_t, num_experts, num_local_experts, HAS_MAP,
+                             offs_t < TOPK)  # [TP]
     if APPLY_WEIGHTS:
         weights_t = tl.load(topk_weights_ptr + slots_t, mask=experts_t >= 0, other=0.0)
     else:
@@ -102,6 +104,7 @@ def _moe_down_reduce_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row0 & mask_n[None, :])
 
 
+@with_interpreter_fixes
 def moe_down_reduce(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -121,8 +124,8 @@ def moe_down_reduce(
         a: (M * topk, N) intermediate in slot order, float or fp8 (then ``scales``: per slot or
             per tensor, or per 1 x bk group with ``block_shape``).
         w: (E, K, N) down weights; out: (M, K), overwritten.
-        topk_ids: (M, topk) int32/int64, contiguous; ids outside [0, num_experts) or remote
-            under ``expert_map`` (num_experts,) int32 contribute exactly zero.
+        topk_ids: (M, topk) int32/int64, contiguous; ids outside [0, num_experts), or mapped by
+            ``expert_map`` (num_experts,) int32 outside [0, E) (-1: remote), contribute exactly zero.
         config: tiles; block_m is 16 (row 0 of each tile is the token).
         topk_weights: (M, topk) float32 contiguous, or None for weight 1 (applied on the input).
         bias: (E, K), added per slot before its weight.
@@ -132,7 +135,7 @@ def moe_down_reduce(
     n_out, k = w.shape[1], w.shape[2]
     if m == 0 or n_out == 0:
         return out
-    config = fit_shared_memory(config, a.element_size(), gated=False)
+    config = fit_shared_memory(config, a.element_size(), gated=False, budget=shared_memory_budget(a.device))
     sargs = scale_args(scales, a, w, config)
     sargs.pop("stride_ase")
     grid = (m * cdiv(n_out, config.block_n),)
@@ -140,7 +143,7 @@ def moe_down_reduce(
         a, w, out, topk_weights_ptr=topk_weights if topk_weights is not None else w, topk_ids_ptr=topk_ids,
         expert_map_ptr=expert_map if expert_map is not None else topk_ids,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
-        N=n_out, K=k, num_tokens=m, num_experts=num_experts,
+        N=n_out, K=k, num_tokens=m, num_experts=num_experts, num_local_experts=w.shape[0],
         stride_am=a.stride(0), stride_ak=a.stride(1),
         stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
         stride_om=out.stride(0), stride_on=out.stride(1),

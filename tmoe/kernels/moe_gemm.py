@@ -21,7 +21,10 @@ from tmoe.kernels.common import (
     abs_no_nan, act_and_mul, cdiv, fp8_scale, local_expert, moe_tile_matmul,
     moe_tile_matmul_tma, tile_ids, to_fp8,
 )
-from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, uniform_w_scale, weight_descriptor
+from tmoe.kernels.gemm_args import (
+    Scales, fit_shared_memory, scale_args, shared_memory_budget, uniform_w_scale, weight_descriptor,
+)
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -42,7 +45,7 @@ def _moe_gemm_kernel(
     topk_ids_ptr,  # [num_slots] int32/int64, direct only
     expert_map_ptr,  # [num_experts] int32 global -> local id or -1 (HAS_MAP), direct only
     out_scale_ptr,  # QUANT_OUT: [rows, cdiv(N, GROUP_OUT)] float32 (Batched: [E, cap, ...])
-    N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert, num_experts,
+    N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert, num_experts, num_local_experts,
     stride_ae, stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_oe, stride_om, stride_on,
@@ -74,7 +77,8 @@ def _moe_gemm_kernel(
         if ROUTE == "direct":  # row 0 of the block is slot pid_m, the other rows are masked
             slots = pid_m.to(tl.int64) + offs_bm  # [BM]
             mask_m = offs_bm == 0
-            expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, HAS_MAP)
+            expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, num_local_experts,
+                                  HAS_MAP)
         else:
             if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
                 return
@@ -89,7 +93,7 @@ def _moe_gemm_kernel(
     mask_n = offs_n < N
     out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on  # [BM, BN]
     mask_out = mask_m[:, None] & mask_n[None, :]
-    if expert < 0:  # a remote (expert_map) or, direct, out-of-range expert: its slots contribute exactly zero
+    if expert < 0:  # remote (expert_map) or, direct, an out-of-range id or map entry: the slots contribute exactly zero
         tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask_out)
         return
     offs_k = tl.arange(0, BLOCK_K)
@@ -164,7 +168,8 @@ class Routing:
 @dataclass(frozen=True)
 class DirectRouting:
     """Standard-format rows without the align stage: slot s is row s // a_row_div of A and its
-    expert is ``topk_ids[s]`` (mapped through ``expert_map``; out of range or remote: zero)."""
+    expert is ``topk_ids[s]`` (mapped through ``expert_map``; an id out of range, or mapped outside
+    [0, E_local) with E_local the weights' expert count: zero)."""
 
     topk_ids: torch.Tensor  # [M, topk] int32/int64, contiguous
     num_experts: int  # global expert count
@@ -172,6 +177,7 @@ class DirectRouting:
     a_row_div: int = 1
 
 
+@with_interpreter_fixes
 def invoke_moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -202,7 +208,8 @@ def invoke_moe_gemm(
     unused = w  # pointer arguments the route does not read
     route = dict(sorted_ids_ptr=unused, expert_ids_ptr=unused, num_post_padded_ptr=unused,
                  expert_num_tokens_ptr=unused, topk_ids_ptr=unused, expert_map_ptr=unused,
-                 num_experts=0, HAS_MAP=False, stride_ae=0, stride_oe=0, blocks_per_expert=1)
+                 num_experts=0, num_local_experts=w.shape[0], HAS_MAP=False, stride_ae=0, stride_oe=0,
+                 blocks_per_expert=1)
     if batched:
         cap = a.shape[1]
         route.update(ROUTE="batched", blocks_per_expert=cdiv(cap, config.block_m), num_slots=0, a_row_div=1,
@@ -220,7 +227,7 @@ def invoke_moe_gemm(
                      num_slots=routing.num_slots, a_row_div=routing.a_row_div)
     if num_pid_m == 0 or n == 0:
         return out
-    config = fit_shared_memory(config, a.element_size(), gated)
+    config = fit_shared_memory(config, a.element_size(), gated, shared_memory_budget(a.device))
     if out_scale is not None:
         group_out = fused_quant_group(n, out_scale.shape[-1], config, gated)
         os_st = (out_scale.stride(0) if batched else 0, out_scale.stride(-2), out_scale.stride(-1))

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
 from tmoe.kernels.common import abs_no_nan, cdiv, fp8_scale, next_power_of_2, to_fp8
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -112,6 +113,7 @@ def alloc_group_scales(shape: torch.Size, group_size: int, column_major: bool, d
     return torch.empty((*lead, g), dtype=torch.float32, device=device)
 
 
+@with_interpreter_fixes
 def per_token_group_quant_fp8(
     x: torch.Tensor,
     group_size: int,
@@ -172,6 +174,7 @@ def per_token_group_quant_fp8(
     return out_q, out_scale
 
 
+@with_interpreter_fixes
 def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token fp8: one group per row, scale = max(absmax, eps) / 448.
 
@@ -199,6 +202,7 @@ def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tens
     return q, scales
 
 
+@with_interpreter_fixes
 def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Static per-tensor fp8: q = clamp(x / scale, ±448).
 

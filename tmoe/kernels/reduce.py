@@ -6,7 +6,8 @@ import triton
 import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
+from tmoe.kernels.common import cdiv, check_num_local_experts, local_expert, next_power_of_2
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 
 @triton.jit
@@ -17,7 +18,7 @@ def _moe_reduce_kernel(
     expert_map_ptr,  # [E] int32
     rows_ptr,  # [M, TOPK] int32 row of each slot in y viewed as [rows, K], -1 = not computed (HAS_ROWS)
     out_ptr,  # [M, K]
-    K, num_experts,
+    K, num_experts, num_local_experts,
     stride_ym, stride_yt, stride_yk, stride_wm, stride_im, stride_om, stride_ok,
     TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
     APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_ROWS: tl.constexpr,
@@ -27,22 +28,24 @@ def _moe_reduce_kernel(
     mask_k = offs_k < K
     acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for t in tl.static_range(TOPK):
-        computed = local_expert(topk_ids_ptr + pid_m * stride_im, expert_map_ptr, t, num_experts, HAS_MAP) >= 0
+        computed = local_expert(topk_ids_ptr + pid_m * stride_im, expert_map_ptr, t, num_experts, num_local_experts,
+                                HAS_MAP) >= 0
         if HAS_ROWS:
             row = tl.load(rows_ptr + pid_m * TOPK + t, mask=computed, other=-1).to(tl.int64)
             computed &= row >= 0
             y_row = y_ptr + row * stride_yt
         else:
             y_row = y_ptr + pid_m * stride_ym + t * stride_yt
-        # slots nothing computed are never read: they contribute exactly zero
+        # slots nothing computed are never read, their weights neither: they contribute exactly zero
         y = tl.load(y_row + offs_k * stride_yk, mask=mask_k & computed, other=0.0)
         y = y.to(tl.float32)
         if APPLY_WEIGHTS:
-            y *= tl.load(weights_ptr + pid_m * stride_wm + t)
+            y *= tl.load(weights_ptr + pid_m * stride_wm + t, mask=computed, other=0.0)
         acc += y
     tl.store(out_ptr + pid_m * stride_om + offs_k * stride_ok, acc.to(out_ptr.dtype.element_ty), mask=mask_k)
 
 
+@with_interpreter_fixes
 def moe_reduce(
     y: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -51,6 +54,8 @@ def moe_reduce(
     expert_map: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    *,
+    num_local_experts: int | None = None,
 ) -> torch.Tensor:
     """out[m, :] = sum_t w[m, t] * y[m, t, :], accumulated in float32, over computed slots.
 
@@ -60,9 +65,11 @@ def moe_reduce(
             (with ``expert_map``) remote is skipped, never read.
         num_experts: global expert count.
         topk_weights: (M, topk) float32, or None when the down GEMM already applied them.
-        expert_map: optional (num_experts,) int32, -1 for remote experts.
+        expert_map: optional (num_experts,) int32, global id -> local id; a value outside
+            [0, num_local_experts) (-1: remote) skips the slot.
         out: optional (M, K) output, ``y.dtype`` by default.
         rows: optional (M, topk) int32, contiguous: slot (m, t) reads y[rows[m, t]]; -1 skips it.
+        num_local_experts: the local expert count, required with ``expert_map``.
 
     Returns:
         (M, K) tensor.
@@ -86,6 +93,7 @@ def moe_reduce(
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=y.device, contiguous=True)
         check_shape("expert_map", expert_map, (num_experts,))
+    num_local_experts = check_num_local_experts(num_local_experts, expert_map, num_experts)
     if out is None:
         out = torch.empty((m, k), dtype=y.dtype, device=y.device)
     else:
@@ -97,7 +105,7 @@ def moe_reduce(
     weights = topk_weights if topk_weights is not None else y
     _moe_reduce_kernel[(m, cdiv(k, block_k))](
         y, weights, topk_ids, expert_map if expert_map is not None else topk_ids,
-        rows if rows is not None else topk_ids, out, K=k, num_experts=num_experts,
+        rows if rows is not None else topk_ids, out, K=k, num_experts=num_experts, num_local_experts=num_local_experts,
         stride_ym=y.stride(0) if rows is None else 0, stride_yt=y.stride(-2), stride_yk=y.stride(-1),
         stride_wm=weights.stride(0), stride_im=topk_ids.stride(0), stride_om=out.stride(0), stride_ok=out.stride(1),
         TOPK=topk, BLOCK_K=block_k, APPLY_WEIGHTS=topk_weights is not None, HAS_MAP=expert_map is not None,

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from tmoe.checks import FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
 from tmoe.kernels.common import _sigmoid, cdiv, next_power_of_2
+from tmoe.kernels.interpreter import with_interpreter_fixes
 
 MAX_EXPERTS = 512
 SCORINGS = ("softmax", "sigmoid")
@@ -101,6 +102,7 @@ def _check_int(name: str, v: object, lo: int, hi: int) -> int:
     return v
 
 
+@with_interpreter_fixes
 def topk_route(
     router_logits: torch.Tensor,
     topk: int,

@@ -1,5 +1,5 @@
 """Testing helpers for MoE code: hypothesis strategies, tolerances against ``tmoe.reference``,
-and the Triton-interpreter workarounds used on CPU.
+and (for your own kernels) the Triton-interpreter workarounds tmoe applies to its launches.
 
 ``tmoe.testing.strategies`` needs ``hypothesis`` (the ``test`` extra)."""
 from tmoe.testing.graphs import capture_cuda_graph

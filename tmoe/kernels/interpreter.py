@@ -1,0 +1,157 @@
+"""Workarounds for faults of Triton's CPU interpreter (``TRITON_INTERPRET=1``), applied only while
+a tmoe launcher runs.
+
+Each one makes the interpreter compute what a GPU computes; kernel code is never changed for
+them. All are present in Triton 3.6.0 through 3.9.0 (``tests/test_interpreter.py`` checks that
+the unpatched interpreter still shows each fault, so a fixed one is noticed and dropped):
+
+* fp32 -> bf16 casts truncate instead of rounding to nearest even, fp32 -> fp8 casts drop the
+  mantissa carry (124.3 becomes 64, not 128) and fp8 NaN decodes as a number: the bit-twiddling
+  ``_convert_float`` is routed through torch's casts, which round like the GPU's ``cvt.rn``
+  (fp8 results saturate, as ``cvt.rn.satfinite``).
+* ``tl.dot`` multiplies the raw uint16 bits of bfloat16 operands, and decodes fp8 operands with
+  the faulty conversion (NaN lost): bf16 and fp8 operands are upcast to float32 first.
+* A comparison's result keeps its operands' type, so a scalar mask such as ``tl.load(p) >= 0``
+  broadcast against a block becomes an integer (or float) array: 3.9 rejects it as a load or
+  store mask ("mask has unsupported dtype"), ``&`` with a float one fails on both. Comparisons
+  return int1 (bool) results, as on a GPU.
+* numpy prints RuntimeWarnings for IEEE special values a GPU handles silently (``exp(-inf)``,
+  ``inf - inf``): silenced with ``np.errstate``.
+
+``interpreter_fixes`` swaps the patched functions in for the duration of a launch and puts the
+originals back, so other Triton code in the process sees the interpreter unchanged; on a GPU
+(no interpreter) ``with_interpreter_fixes`` returns the launcher untouched. The 3.6 interpreter's
+scalar indexing fails on numpy >= 2.4 (3.7 to 3.9 do not): the ``test`` extra pins ``numpy<2.4``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from typing import Callable, Iterator, TypeVar
+
+import triton
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)  # what @triton.jit decided for tmoe's kernels
+
+F = TypeVar("F", bound=Callable)
+
+_lock = threading.Lock()
+_depth = 0
+_installed = False
+_saved: list[tuple[object, str, object]] = []
+_patches: list[tuple[object, str, object]] = []  # (owner, attribute, replacement)
+
+_CMP_OPS = [f"create_icmp{op}" for op in ("SLE", "SLT", "SGE", "SGT", "ULE", "ULT", "UGE", "UGT", "EQ", "NE")] + [
+    f"create_fcmp{op}" for op in ("OLT", "OGT", "OLE", "OGE", "OEQ", "ONE", "ULT", "UGT", "ULE", "UGE", "UEQ", "UNE")
+]
+
+
+def _build_patches() -> list[tuple[object, str, object]]:
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    torch_dtypes = {
+        tl.float32: torch.float32, tl.float16: torch.float16, tl.bfloat16: torch.bfloat16,
+        tl.float64: torch.float64, tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2,
+    }
+    int_views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    round_to_nearest = (None, interp._ir.ROUNDING_MODE.RTNE)
+    original_convert = interp._convert_float
+    original_dot = interp.InterpreterBuilder.create_dot
+
+    def convert_float(data, input_dtype, output_dtype, rounding_mode):
+        """The interpreter's raw float bits (unsigned ints) of ``input_dtype`` as ``output_dtype``."""
+        src, dst = torch_dtypes.get(input_dtype), torch_dtypes.get(output_dtype)
+        if src is None or dst is None or rounding_mode not in round_to_nearest:
+            return original_convert(data, input_dtype, output_dtype, rounding_mode)
+        bits = np.ascontiguousarray(data).view(f"u{src.itemsize}")
+        x = torch.from_numpy(bits.view(f"i{src.itemsize}") if src.itemsize > 1 else bits).view(src)
+        if dst.itemsize == 1:  # cvt.rn.satfinite: out-of-range values (and inf) saturate, NaN stays
+            big = torch.finfo(dst).max
+            x = x.float().clamp(-big, big)
+        out = x.to(dst).view(int_views[dst.itemsize]).numpy()
+        return out.view(f"u{dst.itemsize}").reshape(np.shape(data))
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        def upcast(h):
+            if h.dtype.scalar in (tl.bfloat16, tl.float8e4nv, tl.float8e5):
+                return interp.TensorHandle(convert_float(h.data, h.dtype.scalar, tl.float32, None).view(np.float32),
+                                           tl.float32)
+            return h
+
+        return original_dot(self, upcast(a), upcast(b), d, input_precision, max_num_imprecise_acc)
+
+    def boolean(compare):
+        def create_cmp(self, lhs, rhs):
+            out = compare(self, lhs, rhs)
+            return interp.TensorHandle(out.data.astype(bool, copy=False), tl.int1)
+
+        return create_cmp
+
+    builder = interp.InterpreterBuilder
+    return [(interp, "_convert_float", convert_float), (builder, "create_dot", create_dot)] + [
+        (builder, name, boolean(getattr(builder, name))) for name in _CMP_OPS
+    ]
+
+
+def _swap_in() -> None:
+    global _depth
+    with _lock:
+        if _depth == 0:
+            if not _patches:
+                _patches.extend(_build_patches())
+            _saved[:] = [(owner, name, getattr(owner, name)) for owner, name, _ in _patches]
+            for owner, name, replacement in _patches:
+                setattr(owner, name, replacement)
+        _depth += 1
+
+
+def _swap_out() -> None:
+    global _depth
+    with _lock:
+        _depth -= 1
+        if _depth == 0:
+            for owner, name, original in _saved:
+                setattr(owner, name, original)
+            _saved.clear()
+
+
+@contextlib.contextmanager
+def interpreter_fixes() -> Iterator[None]:
+    """Apply the workarounds above while the block runs (reentrant, thread-safe); no-op on a GPU."""
+    if not INTERPRETED:
+        yield
+        return
+    import numpy as np
+
+    _swap_in()
+    try:
+        with np.errstate(all="ignore"):
+            yield
+    finally:
+        _swap_out()
+
+
+def install_interpreter_fixes() -> None:
+    """Apply the interpreter workarounds (not the warning filter) for the rest of the process, to
+    every Triton kernel, tmoe's or not (idempotent; no-op on a GPU). tmoe's launchers do not need it."""
+    global _installed
+    if INTERPRETED and not _installed:
+        _swap_in()
+        _installed = True
+
+
+def with_interpreter_fixes(launcher: F) -> F:
+    """Decorate a launcher so its kernels run with the workarounds; returns it unchanged on a GPU."""
+    if not INTERPRETED:
+        return launcher
+
+    @functools.wraps(launcher)
+    def wrapped(*args, **kwargs):
+        with interpreter_fixes():
+            return launcher(*args, **kwargs)
+
+    return wrapped
