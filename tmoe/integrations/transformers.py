@@ -1,70 +1,94 @@
 """Swap the experts of Hugging Face ``transformers`` MoE models for tmoe's kernel, in place.
 
-transformers (5.x) stores each sparse block's experts as 3-D tensors. Mixtral, Qwen2-MoE,
-Qwen3-MoE and DeepSeek-V3 use tmoe's layout (``gate_up_proj`` (E, 2I, H) gate rows first,
-``down_proj`` (E, H, I)) and keep their Parameters (no copy). GPT-OSS stores them transposed
-with gate/up interleaved and has expert biases: its weights are re-laid once at swap time and
-run with the ``swigluoai`` activation. The swap keeps each model's own router, so routing is
-unchanged, and replaces only the expert computation with ``FusedMoEModularKernel``.
+transformers 5.x stores each sparse block's routed experts as 3-D tensors; ``SUPPORTED_EXPERTS``
+(in ``tmoe.integrations.hf_experts``) lists the classes tmoe runs and how each is laid out. The
+swap keeps each model's own router and shared experts, so routing is unchanged, and replaces
+only the routed expert computation with ``FusedMoEModularKernel``. Llama4, whose experts take
+router-scaled inputs rather than routing tensors, has its MoE block replaced around its own
+router and shared expert. transformers older than 5.15 (4.x: experts as ``nn.ModuleList``) is refused.
 """
 from __future__ import annotations
 
-import torch
+import re
+import warnings
+
+import transformers
 from torch import nn
 
-from tmoe.layer import FusedMoEModularKernel
-from tmoe.modular import NoEPPrepareAndFinalize, TritonExperts
+from tmoe.integrations.hf_experts import SUPPORTED_EXPERTS, TmoeExperts, TmoeLlama4TextMoe, unsupported_reason
 
-SUPPORTED_EXPERTS = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "DeepseekV3Experts", "GptOssExperts")
-HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-                  "gelu_new": "gelu_tanh"}
-
-
-class TmoeExperts(nn.Module):
-    """forward(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k)) -> (T, H), the
-    call signature of transformers' ``*Experts`` modules."""
-
-    def __init__(self, experts: nn.Module, activation: str) -> None:
-        super().__init__()
-        self.num_experts = experts.num_experts
-        self.activation = activation
-        self.gate_up_proj_bias = self.down_proj_bias = None
-        if type(experts).__name__ == "GptOssExperts":
-            if (experts.alpha, experts.limit) != (1.702, 7.0):
-                raise ValueError(f"swigluoai is built for alpha=1.702, limit=7.0; got {experts.alpha}, {experts.limit}")
-            self.activation = "swigluoai"
-            w = experts.gate_up_proj.detach().transpose(1, 2)  # (E, 2I, H), rows gate0, up0, gate1, ...
-            b = experts.gate_up_proj_bias.detach()
-            self.gate_up_proj = nn.Parameter(torch.cat([w[:, 0::2], w[:, 1::2]], 1).contiguous(), requires_grad=False)
-            self.gate_up_proj_bias = nn.Parameter(torch.cat([b[:, 0::2], b[:, 1::2]], 1).contiguous(),
-                                                  requires_grad=False)
-            self.down_proj = nn.Parameter(experts.down_proj.detach().transpose(1, 2).contiguous(), requires_grad=False)
-            self.down_proj_bias = experts.down_proj_bias
-        else:
-            self.gate_up_proj = experts.gate_up_proj
-            self.down_proj = experts.down_proj
-        self.kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        return self.kernel(hidden_states.contiguous(), self.gate_up_proj, self.down_proj,
-                           top_k_weights.float().contiguous(), top_k_index.contiguous(), activation=self.activation,
-                           w1_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias)
+__all__ = ["SUPPORTED_EXPERTS", "TmoeExperts", "TmoeLlama4TextMoe", "replace_moe_blocks"]
+# The oldest release on which tests/test_transformers.py found every supported family it ships either
+# matching stock or refused with a reason (run on 5.15.1 to 5.25.0). Older: 5.0 passes PhiMoE and
+# HunYuan-MoE experts dense (T, E) routing weights; 4.x keeps experts as per-expert modules.
+MIN_TRANSFORMERS = (5, 15)
 
 
-def replace_moe_blocks(model: nn.Module) -> int:
+def _version(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``5.25.0`` or ``5.16.0.dev0``."""
+    major, minor = re.match(r"(\d+)\.(\d+)", text).groups()
+    return int(major), int(minor)
+
+
+def _looks_like_experts(name: str, module: nn.Module) -> bool:
+    """Routed experts: a ``*Experts`` class, or a container of per-expert MLPs named ``experts``
+    (transformers 4.x); shared experts (``shared_expert*`` attributes) stay the model's own, and
+    experts swapped by an earlier call are left as they are."""
+    attr = name.rpartition(".")[2]
+    if attr.startswith("shared") or isinstance(module, TmoeExperts):
+        return False
+    return type(module).__name__.endswith("Experts") or (
+        attr == "experts" and isinstance(module, (nn.ModuleList, nn.ModuleDict)))
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+    if type(module).__name__ == "Llama4TextExperts":  # the block, not the experts, takes the routing
+        name = name.rpartition(".")[0]
+        module, make = model.get_submodule(name), TmoeLlama4TextMoe
+    else:
+        make = TmoeExperts
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, make(module))
+
+
+def _report(model: nn.Module, left: dict[str, list[str]]) -> str:
+    supported = ", ".join(sorted(SUPPORTED_EXPERTS))
+    if not left:
+        return (f"replace_moe_blocks: {type(model).__name__} has no MoE experts modules (no *Experts class and no "
+                f"'experts' ModuleList); nothing was replaced. tmoe supports: {supported}")
+    lines = [f"  {why} ({len(names)}x, e.g. {names[0]})" for why, names in left.items()]
+    return ("replace_moe_blocks could not replace these experts modules:\n" + "\n".join(lines)
+            + f"\ntmoe supports: {supported}")
+
+
+def replace_moe_blocks(model: nn.Module, strict: bool = False) -> int:
     """Replace every supported experts module of ``model`` in place; returns how many.
 
-    Raises ValueError for an activation tmoe does not implement (GPT-OSS experts always use
-    ``swigluoai``, whatever ``hidden_act`` says).
+    Every routed-experts module left in place (an unknown class, a 4.x ``ModuleList``, an
+    activation or clamp tmoe lacks) is named in one warning with the reason, as is a model
+    without MoE layers; ``strict=True`` raises ValueError instead. Raises RuntimeError on
+    transformers older than ``MIN_TRANSFORMERS`` (4.x stores experts as per-expert modules). Example::
+
+        model = transformers.AutoModelForCausalLM.from_pretrained("allenai/OLMoE-1B-7B-0924")
+        replace_moe_blocks(model, strict=True)
     """
-    targets = [(name, m) for name, m in model.named_modules() if type(m).__name__ in SUPPORTED_EXPERTS]
-    act_name = getattr(getattr(model, "config", None), "hidden_act", "silu")
-    standard = [m for _, m in targets if type(m).__name__ != "GptOssExperts"]
-    if standard and act_name not in HF_ACTIVATIONS:
-        raise ValueError(f"hidden_act {act_name!r} is not supported by tmoe (have {sorted(HF_ACTIVATIONS)})")
+    if _version(transformers.__version__) < MIN_TRANSFORMERS:
+        raise RuntimeError(f"replace_moe_blocks needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}; "
+                           f"found {transformers.__version__}")
+    targets, left = [], {}
+    for name, module in model.named_modules():
+        if not _looks_like_experts(name, module):
+            continue
+        why = unsupported_reason(module)
+        if why is None:
+            targets.append((name, module))
+        else:
+            left.setdefault(f"{type(module).__name__}: {why}", []).append(name)
+    swapped_before = any(isinstance(m, TmoeExperts) for m in model.modules())
+    if left or not (targets or swapped_before):
+        if strict:
+            raise ValueError(_report(model, left))
+        warnings.warn(_report(model, left), stacklevel=2)
     for name, module in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, TmoeExperts(module, HF_ACTIVATIONS.get(act_name, "silu")))
+        _swap(model, name, module)
     return len(targets)

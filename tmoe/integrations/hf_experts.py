@@ -1,0 +1,207 @@
+"""tmoe stand-ins for Hugging Face ``transformers`` (5.x) experts modules, and the layout table.
+
+tmoe computes ``sum_k w_k * (act(x W1g_e^T + b1g_e) * (x W1u_e^T + b1u_e)) W2_e^T + b2_e`` with
+``W1`` (E, 2N, K): gate rows then up rows, and ``W2`` (E, K, N). Each supported experts class is
+described by an ``ExpertsSpec``: how far its storage is from that layout (transposed, interleaved,
+DBRX's flat per-expert blocks), whether it has biases, and which gating it applies. Weights
+already in tmoe's layout keep their Parameters; the others are re-laid once, at swap time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from tmoe import FusedMoEModularKernel, NoEPPrepareAndFinalize, TritonExperts
+
+# Hugging Face activation names whose module computes one of tmoe's gate activations.
+_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu",
+                   "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                   "gelu_fast": "gelu_tanh", "gelu_accurate": "gelu_tanh"}
+_ACTIVATION_TYPES = {type(ACT2FN[name]): act for name, act in _HF_ACTIVATIONS.items() if name in ACT2FN}
+_SWIGLUOAI = (1.702, 7.0)  # (alpha, limit) built into tmoe's swigluoai
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """How a transformers experts class stores and gates its experts.
+
+    transposed: ``gate_up_proj`` (E, H, 2I) and ``down_proj`` (E, I, H) (tmoe: (E, 2I, H), (E, H, I)).
+    interleaved: gate and up columns alternate (gate0, up0, gate1, ...) instead of two halves.
+    bias: ``gate_up_proj_bias`` (E, 2I) and ``down_proj_bias`` (E, H).
+    swigluoai: attribute names of the (alpha, limit) of GPT-OSS's clamped gating; None: ``act_fn(gate) * up``.
+    dbrx: DBRX's ``mlp.w1``/``mlp.v1``/``mlp.w2``, each (E * I, H).
+    """
+
+    transposed: bool = False
+    interleaved: bool = False
+    bias: bool = False
+    swigluoai: tuple[str, str] | None = None
+    dbrx: bool = False
+
+    def flags(self) -> dict[str, bool]:
+        """The ``@use_experts_implementation`` attributes a class of this layout carries."""
+        return {"is_transposed": self.transposed, "is_concatenated": not self.interleaved, "has_bias": self.bias,
+                "has_gate": True, "has_post_expert_norm": False}
+
+
+_STANDARD = (
+    "AfmoeExperts", "AXK1Experts", "AXK2Experts", "BailingHybridExperts", "BeamExperts", "Cohere2MoeExperts",
+    "DeepseekOcr2TextExperts", "DeepseekV2Experts", "DeepseekV3Experts", "DeepseekV32Experts",
+    "DiffusionGemmaTextExperts", "Dots1Experts", "Dots3NoteExperts", "Ernie4_5_MoeExperts",
+    "Ernie4_5_VLMoeMoeExperts", "ExaoneMoeExperts", "FlexOlmoExperts", "FlintExperts", "Gemma4TextExperts",
+    "Glm4MoeExperts", "Glm4MoeLiteExperts", "Glm4vMoeTextExperts", "GlmMoeDsaExperts", "GraniteMoeExperts",
+    "GraniteMoeHybridExperts", "GraniteMoeSharedExperts", "GraniteMoeSWAExperts", "HunYuanMoEV1Experts",
+    "HYV3Experts", "InklingExperts", "JambaExperts", "KimiLinearExperts", "Kolibri1Experts", "Kolibri1_1Experts",
+    "LagunaExperts", "LaraMiniExperts", "Lfm2MoeExperts", "LongcatFlashExperts", "MellumExperts",
+    "MiMoV2FlashExperts", "MiniCPM5MoeExperts", "MiniMaxExperts", "MiniMaxM2Experts", "Mistral4Experts",
+    "MistralLarge4TextExperts", "MixtralExperts", "OlmoeExperts", "PhimoeExperts", "Qwen2MoeExperts",
+    "Qwen3_5MoeExperts", "Qwen3MoeExperts", "Qwen3NextExperts", "Qwen3OmniMoeTalkerTextExperts",
+    "Qwen3OmniMoeThinkerTextExperts", "Qwen3VLMoeTextExperts", "Qwen4ExpTextExperts", "SolarOpenExperts",
+    "Step3p7Experts", "UnlimitedOcrTextExperts", "ZayaExperts",
+)
+SUPPORTED_EXPERTS: dict[str, ExpertsSpec] = {
+    **dict.fromkeys(_STANDARD, ExpertsSpec()),
+    "AriaExperts": ExpertsSpec(transposed=True),
+    "Llama4TextExperts": ExpertsSpec(transposed=True),
+    "DbrxExperts": ExpertsSpec(dbrx=True),
+    "GptOssExperts": ExpertsSpec(transposed=True, interleaved=True, bias=True, swigluoai=("alpha", "limit")),
+    "OpenAIPrivacyFilterExperts": ExpertsSpec(transposed=True, bias=True, swigluoai=("alpha", "limit")),
+    "MiniMaxM3VLExperts": ExpertsSpec(swigluoai=("swiglu_alpha", "swiglu_limit")),
+}
+
+
+def _act_fn(experts: nn.Module, spec: ExpertsSpec) -> object:
+    return getattr(experts.mlp, "activation_fn", None) if spec.dbrx else getattr(experts, "act_fn", None)
+
+
+def _tmoe_activation(act_fn: object) -> str | None:
+    """tmoe's name for a transformers activation module (or ``F.silu``); None if tmoe lacks it."""
+    return "silu" if act_fn is F.silu else _ACTIVATION_TYPES.get(type(act_fn))
+
+
+def _shape(module: nn.Module, name: str) -> tuple[int, ...] | None:
+    t = getattr(module, name, None)
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+
+def _layout_mismatch(experts: nn.Module, spec: ExpertsSpec) -> str | None:
+    """What in the experts' weights differs from ``spec`` (older transformers releases stored
+    some families differently); None when the shapes are as the spec says."""
+    if spec.dbrx:
+        mlp, e = getattr(experts, "mlp", None), getattr(experts, "num_experts", 0)
+        shapes = {_shape(mlp, n) for n in ("w1", "v1", "w2")} if mlp is not None else {None}
+        ok = len(shapes) == 1 and None not in shapes and e > 0 and next(iter(shapes))[0] % e == 0
+        return None if ok else f"mlp.w1/v1/w2 shapes {shapes} are not (E * I, H) with E={e}"
+    w1, w2 = _shape(experts, "gate_up_proj"), _shape(experts, "down_proj")
+    if w1 is None or w2 is None or len(w1) != 3 or len(w2) != 3:
+        return f"needs 3-D gate_up_proj and down_proj, has {w1} and {w2}"
+    e, two_i, h = (w1[0], w1[2], w1[1]) if spec.transposed else w1
+    want = {"down_proj": (e, two_i // 2, h) if spec.transposed else (e, h, two_i // 2)}
+    if spec.bias:
+        want |= {"gate_up_proj_bias": (e, two_i), "down_proj_bias": (e, h)}
+    got = {name: _shape(experts, name) for name in want}
+    if two_i % 2 or got != want or getattr(experts, "num_experts", e) != e:
+        return f"gate_up_proj {w1} with {got} is not the layout tmoe's table gives it ({want})"
+    return None
+
+
+def unsupported_reason(experts: nn.Module) -> str | None:
+    """Why tmoe cannot run this experts module (None: it can)."""
+    spec = SUPPORTED_EXPERTS.get(type(experts).__name__)
+    if spec is None:
+        return "not a supported experts class"
+    differing = {k: getattr(experts, k) for k, v in spec.flags().items() if getattr(experts, k, v) != v}
+    if differing:
+        return f"stores its experts unlike tmoe's table for it ({differing})"
+    mismatch = _layout_mismatch(experts, spec)
+    if mismatch:
+        return mismatch
+    if spec.swigluoai:
+        alpha, limit = (getattr(experts, name, None) for name in spec.swigluoai)
+        if (alpha, limit) != _SWIGLUOAI:
+            return f"swigluoai is built for (alpha, limit)={_SWIGLUOAI}, got ({alpha}, {limit})"
+        return None
+    limit = getattr(experts, "limit", None)  # Step3p7 / BailingHybrid clamp after the activation
+    if limit is not None and math.isfinite(limit):
+        return f"clamps the activated gate (limit={limit})"
+    act_fn = _act_fn(experts, spec)
+    if _tmoe_activation(act_fn) is None:
+        return f"activation {type(act_fn).__name__} is not one of tmoe's"
+    return None
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().contiguous(), requires_grad=False)
+
+
+class TmoeExperts(nn.Module):
+    """A transformers experts module run by ``FusedMoEModularKernel``.
+
+    forward(hidden_states (..., H), top_k_index (T, k), top_k_weights (T, k)) -> (..., H), with
+    T the number of rows of hidden_states: the call signature of transformers' ``*Experts``.
+    ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) are in tmoe's layout.
+    """
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        spec = SUPPORTED_EXPERTS[type(experts).__name__]
+        self.activation = "swigluoai" if spec.swigluoai else _tmoe_activation(_act_fn(experts, spec))
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if spec.dbrx:
+            mlp = experts.mlp
+            w1, v1, w2 = (w.view(experts.num_experts, -1, w.shape[-1]) for w in (mlp.w1, mlp.v1, mlp.w2))
+            self.gate_up_proj, self.down_proj = _frozen(torch.cat([w1, v1], 1)), _frozen(w2.transpose(1, 2))
+        elif spec.transposed:
+            w1 = experts.gate_up_proj.transpose(1, 2)  # (E, 2I, H)
+            self.gate_up_proj = _frozen(torch.cat([w1[:, 0::2], w1[:, 1::2]], 1) if spec.interleaved else w1)
+            self.down_proj = _frozen(experts.down_proj.transpose(1, 2))
+        else:
+            self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+        if spec.bias:
+            b1 = experts.gate_up_proj_bias
+            self.gate_up_proj_bias = _frozen(torch.cat([b1[:, 0::2], b1[:, 1::2]], 1)) if spec.interleaved else b1
+            self.down_proj_bias = experts.down_proj_bias
+        self.kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
+
+    def run(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            weight_on_input: bool = False) -> torch.Tensor:
+        """x (T, H), top_k_index/top_k_weights (T, k) -> (T, H); ``weight_on_input`` scales each
+        expert's input instead of its output (then k must be 1)."""
+        return self.kernel(x.contiguous(), self.gate_up_proj, self.down_proj, top_k_weights.float().contiguous(),
+                           top_k_index.contiguous(), activation=self.activation, w1_bias=self.gate_up_proj_bias,
+                           w2_bias=self.down_proj_bias, apply_router_weight_on_input=weight_on_input)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return self.run(x, top_k_index, top_k_weights).view(hidden_states.shape)
+
+
+class TmoeLlama4TextMoe(nn.Module):
+    """Llama4's MoE block on tmoe. Llama4 scales each routed expert's *input* by its sigmoid
+    router score (so its experts module takes only the pre-scaled tokens); here each (token,
+    expert) pair is one row scaled on input, and a token's k rows are summed. The block's router
+    and shared expert are kept. forward(hidden_states (..., H)) -> ((T, H), router_logits (T, E))."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.top_k, self.hidden_dim = block.top_k, block.hidden_dim
+        self.router, self.shared_expert = block.router, block.shared_expert
+        self.experts = TmoeExperts(block.experts)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden_states.reshape(-1, self.hidden_dim)  # [T, H]
+        router_scores, router_logits = self.router(x)  # [T, E]: sigmoid(logit) on the top k, 0 elsewhere
+        top_k_index = torch.topk(router_logits, self.top_k, dim=1).indices  # the router's own top k
+        top_k_weights = router_scores.gather(1, top_k_index)  # [T, k]
+        t, k = top_k_index.shape
+        rows = x.unsqueeze(1).expand(t, k, self.hidden_dim).reshape(t * k, self.hidden_dim)  # [T*k, H]
+        routed = self.experts.run(rows, top_k_index.reshape(-1, 1), top_k_weights.reshape(-1, 1), True)
+        out = self.shared_expert(x)
+        out.add_(routed.view(t, k, self.hidden_dim).sum(1))
+        return out, router_logits
