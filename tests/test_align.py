@@ -41,7 +41,8 @@ CASES = [
 
 
 def check_align(ids: torch.Tensor, block: int, e: int, expert_map=None) -> None:
-    sorted_ids, expert_ids, ntpp = tmoe.moe_align_block_size(ids, block, e, expert_map)
+    num_local = None if expert_map is None else int((expert_map >= 0).sum())
+    sorted_ids, expert_ids, ntpp = tmoe.moe_align_block_size(ids, block, e, expert_map, num_local_experts=num_local)
     max_padded, num_blocks = align_output_sizes(ids.numel(), block, e)
     assert sorted_ids.shape == (max_padded,) and expert_ids.shape == (num_blocks,) and ntpp.shape == (1,)
     assert sorted_ids.dtype == expert_ids.dtype == ntpp.dtype == torch.int32

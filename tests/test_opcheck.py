@@ -26,7 +26,7 @@ def _cases():
                                          chunk_size=4).spec.as_args()
     return {
         "moe_align_block_size": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, None)),
-        "moe_align_block_size_map": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, emap)),
+        "moe_align_block_size_map": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, emap, 2)),
         "moe_gemm_up": (torch.ops.tmoe.moe_gemm_up, (p.x, p.w1, *align, 2, 16, "gelu")),
         "moe_gemm_down": (torch.ops.tmoe.moe_gemm_down, (inter, p.w2, *align, 2, 16, p.topk_weights)),
         "moe_reduce": (torch.ops.tmoe.moe_reduce, (y, p.topk_ids, 4, p.topk_weights, None)),

@@ -12,7 +12,8 @@ BLOCK_M = 16
 
 
 def _routing(p, expert_map=None):
-    return torch.ops.tmoe.moe_align_block_size(p.topk_ids, BLOCK_M, p.w1.shape[0], expert_map)
+    num_local = None if expert_map is None else int((expert_map >= 0).sum())
+    return torch.ops.tmoe.moe_align_block_size(p.topk_ids, BLOCK_M, p.w1.shape[0], expert_map, num_local)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

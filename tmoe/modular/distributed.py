@@ -82,9 +82,10 @@ class AllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalize):
                              topk_weights=_all_gather(topk_weights, self.group))
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
-                 num_experts, expert_map, prepared) -> None:
+                 num_experts, expert_map, prepared, num_local_experts) -> None:
         weights = None if apply_router_weight_on_input else prepared.topk_weights
         partial = torch.empty((fused_expert_output.shape[0], output.shape[1]), dtype=torch.float32,
                               device=output.device)
-        moe_reduce(fused_expert_output, prepared.topk_ids, num_experts, weights, expert_map, out=partial)
+        moe_reduce(fused_expert_output, prepared.topk_ids, num_experts, weights, expert_map, out=partial,
+                   num_local_experts=num_local_experts)
         _reduce_scatter_sum(output, partial, self.group)

@@ -100,7 +100,7 @@ class TritonExperts(_TritonExpertsBase):
                             expert_map=expert_map, scales=self._scales(a2q_scale, w2_scale), bias=w2_bias)
             return
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
-            topk_ids, cfg.block_m, global_num_experts, expert_map
+            topk_ids, cfg.block_m, global_num_experts, expert_map, num_local_experts=w1.shape[0]
         )
         a2q, a2q_scale = self._up(
             hidden_states, w1, (m * topk, n), workspace2, cfg.up, a1q_scale, w1_scale, a2_scale, activation=activation,

@@ -82,7 +82,7 @@ class FusedMoEPrepareAndFinalize(ABC):
     def finalize(
         self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor, apply_router_weight_on_input: bool, *, num_experts: int,
-        expert_map: torch.Tensor | None, prepared: PrepareResult,
+        expert_map: torch.Tensor | None, prepared: PrepareResult, num_local_experts: int,
     ) -> None:
         """Write sum_t w[m, t] * expert_output(m, t) into ``output`` (M, K) in place.
         ``fused_expert_output`` is (M', topk, K) per slot, or (M', K) already summed."""

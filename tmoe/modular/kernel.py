@@ -138,7 +138,8 @@ class ModularKernel:
                           ws2, prepared.expert_num_tokens, args.apply_router_weight_on_input, w1_bias=args.w1_bias,
                           w2_bias=args.w2_bias)
             pf.finalize(output[start:end], fused_out, weights, ids, args.apply_router_weight_on_input,
-                        num_experts=num_experts, expert_map=args.expert_map, prepared=prepared)
+                        num_experts=num_experts, expert_map=args.expert_map, prepared=prepared,
+                        num_local_experts=e_local)
         return output
 
 

@@ -27,13 +27,14 @@ from tmoe.ops.autograd import inference_only
 
 @torch.library.custom_op("tmoe::moe_align_block_size", mutates_args=())
 def moe_align_block_size(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None = None,
+    num_local_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _align(topk_ids, block_size, num_experts, expert_map)
+    return _align(topk_ids, block_size, num_experts, expert_map, num_local_experts=num_local_experts)
 
 
 @moe_align_block_size.register_fake
-def _(topk_ids, block_size, num_experts, expert_map=None):
+def _(topk_ids, block_size, num_experts, expert_map=None, num_local_experts=None):
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES)
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=topk_ids.device)
@@ -149,14 +150,14 @@ def _(intermediate, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, to
 @torch.library.custom_op("tmoe::moe_reduce", mutates_args=())
 def moe_reduce(
     y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None = None,
-    expert_map: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
 ) -> torch.Tensor:
     """(M, K) = sum_t w[m, t] * y[m, t] over the slots a local expert computed."""
-    return _reduce(y, topk_ids, num_experts, topk_weights, expert_map)
+    return _reduce(y, topk_ids, num_experts, topk_weights, expert_map, num_local_experts=num_local_experts)
 
 
 @moe_reduce.register_fake
-def _(y, topk_ids, num_experts, topk_weights=None, expert_map=None):
+def _(y, topk_ids, num_experts, topk_weights=None, expert_map=None, num_local_experts=None):
     check_tensor("y", y, dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=y.device)
     if tuple(topk_ids.shape) != tuple(y.shape[:2]):

@@ -34,10 +34,6 @@ def _time_ms(fn: Callable[[], torch.Tensor], reps: int) -> float:
 
 def run_demo() -> None:
     gpu = torch.cuda.is_available()
-    if not gpu:
-        from tmoe.testing import patch_interpreter
-
-        patch_interpreter()  # the interpreter's float casts and bf16 dots are faulty: see tmoe/testing/interpreter.py
     device = "cuda" if gpu else "cpu"
     # Mixtral-8x7B on a GPU; a small layer on CPU, where Triton runs interpreted
     e, n, k, topk, m = (8, 14336, 4096, 2, 64) if gpu else (8, 128, 256, 2, 16)
