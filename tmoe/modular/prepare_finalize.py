@@ -33,7 +33,8 @@ class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         if fused_expert_output.dim() == 2:  # the experts wrote the weighted sum into output itself
             return
         weights = None if apply_router_weight_on_input else topk_weights
-        moe_reduce(fused_expert_output, topk_ids, num_experts, weights, expert_map, out=output)
+        moe_reduce(fused_expert_output, topk_ids, num_experts, weights, expert_map, out=output,
+                   num_local_experts=num_local_experts)
 
 
 class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalize):
