@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tmoe.checks import positive_int
+from tmoe.kernels.checks import positive_int
 from tmoe.fused import takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
     FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize, TritonExperts,

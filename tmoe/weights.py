@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tmoe.checks import FLOAT_DTYPES, check_tensor
+from tmoe.kernels.checks import FLOAT_DTYPES, check_tensor
 from tmoe.kernels.common import cdiv
 from tmoe.kernels.quant import FP8_DTYPE, FP8_MAX
 

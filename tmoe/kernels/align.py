@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.checks import INDEX_DTYPES, check_tensor
+from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
 

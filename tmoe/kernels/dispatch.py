@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
+from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.common import cdiv, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes

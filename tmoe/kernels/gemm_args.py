@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
-from tmoe.config import GemmConfig
+from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
+from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.config import GemmConfig
+from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
 from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, shared_memory_budget
 from tmoe.kernels.interpreter import with_interpreter_fixes

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.config import GemmConfig
+from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import (
     abs_no_nan, act_and_mul, cdiv, fp8_scale, local_expert, moe_tile_matmul,
     moe_tile_matmul_tma, tile_ids, to_fp8,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
+from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
 from tmoe.kernels.common import abs_no_nan, cdiv, fp8_scale, next_power_of_2, to_fp8
 from tmoe.kernels.interpreter import with_interpreter_fixes
 

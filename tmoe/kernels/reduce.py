@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
+from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, local_expert, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.checks import FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
+from tmoe.kernels.checks import FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
 from tmoe.kernels.common import _sigmoid, cdiv, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
 

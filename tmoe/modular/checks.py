@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
+from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
 from tmoe.kernels.common import ACTIVATIONS
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import torch
 
-from tmoe.checks import positive_int
+from tmoe.kernels.checks import positive_int
 from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.gemm_args import Scales

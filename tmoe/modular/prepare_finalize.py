@@ -1,7 +1,7 @@
 """PrepareAndFinalize implementations: single device (Standard) and fixed-capacity batches."""
 from __future__ import annotations
 
-from tmoe.checks import positive_int
+from tmoe.kernels.checks import positive_int
 from tmoe.kernels.dispatch import batched_dispatch
 from tmoe.kernels.reduce import moe_reduce
 from tmoe.modular.interfaces import FusedMoEActivationFormat, FusedMoEPrepareAndFinalize, PrepareResult

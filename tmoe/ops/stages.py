@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from tmoe.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
+from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
 from tmoe.kernels.common import cdiv
