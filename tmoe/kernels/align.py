@@ -15,6 +15,7 @@ import triton.language as tl
 from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
@@ -213,19 +214,19 @@ def moe_align_block_size(
     chunk = min(MAX_CHUNK, sub * SUBS_PER_CHUNK, max(16, next_power_of_2(numel)))
     sub = min(sub, chunk)
     if numel <= chunk:
-        _align_single_kernel[(1,)](
+        launch(_align_single_kernel, (1,),
             topk_ids, sorted_ids, expert_ids, num_post_padded, emap, offsets, numel, num_experts, num_local_experts,
             max_padded, num_blocks, CHUNK=chunk, SUB=sub, **meta,
         )
         return sorted_ids, expert_ids, num_post_padded
     num_chunks = cdiv(numel, chunk)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
-    _align_count_kernel[(num_chunks,)](topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad)
-    _align_scan_kernel[(1,)](
+    launch(_align_count_kernel, (num_chunks,), topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad)
+    launch(_align_scan_kernel, (1,),
         counts, sorted_ids, expert_ids, num_post_padded, emap, offsets, num_chunks, numel, num_experts,
         num_local_experts, max_padded, num_blocks, CT=max(1, 4096 // e_pad), **meta,
     )
-    _align_scatter_kernel[(num_chunks,)](
+    launch(_align_scatter_kernel, (num_chunks,),
         topk_ids, sorted_ids, counts, numel, num_experts, CHUNK=chunk, SUB=sub, E_PAD=e_pad
     )
     return sorted_ids, expert_ids, num_post_padded

@@ -13,6 +13,7 @@ from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_te
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.common import cdiv, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
 
 
 @triton.jit
@@ -115,7 +116,7 @@ def batched_dispatch(
     grid = (num_experts, max(1, min(cdiv(capacity, block_r), 64)))
     scale_ref = x_scale if x_scale is not None else x
     out_scale_ref = out_scale if out_scale is not None else out
-    _batched_dispatch_kernel[grid](
+    launch(_batched_dispatch_kernel, grid,
         x, scale_ref, sorted_ids, offsets, expert_map if expert_map is not None else offsets,
         out, out_scale_ref, expert_num_tokens, dispatch_rows,
         K=k, S=s, topk=topk_ids.shape[1], capacity=capacity, num_local_experts=num_local_experts,

@@ -37,6 +37,7 @@ INTERPRETED = bool(triton.knobs.runtime.interpret)  # what @triton.jit decided f
 F = TypeVar("F", bound=Callable)
 
 _lock = threading.Lock()
+_active = threading.local()  # .on: this thread is inside interpreter_fixes (nested entries are free)
 _depth = 0
 _installed = False
 _saved: list[tuple[object, str, object]] = []
@@ -125,13 +126,18 @@ def interpreter_fixes() -> Iterator[None]:
     if not INTERPRETED:
         yield
         return
+    if getattr(_active, "on", False):
+        yield
+        return
     import numpy as np
 
     _swap_in()
+    _active.on = True
     try:
         with np.errstate(all="ignore"):
             yield
     finally:
+        _active.on = False
         _swap_out()
 
 
@@ -145,12 +151,15 @@ def install_interpreter_fixes() -> None:
 
 
 def with_interpreter_fixes(launcher: F) -> F:
-    """Decorate a launcher so its kernels run with the workarounds; returns it unchanged on a GPU."""
+    """Decorate a launcher so its kernels run with the workarounds; returns it unchanged on a GPU.
+    Decorate a function that calls several launchers too: they then share one swap."""
     if not INTERPRETED:
         return launcher
 
     @functools.wraps(launcher)
     def wrapped(*args, **kwargs):
+        if getattr(_active, "on", False):  # an enclosing call holds the fixes (a layer call's launches)
+            return launcher(*args, **kwargs)
         with interpreter_fixes():
             return launcher(*args, **kwargs)
 

@@ -16,6 +16,7 @@ from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
 from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, shared_memory_budget
 from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
 
 
 @triton.jit
@@ -139,7 +140,7 @@ def moe_down_reduce(
     sargs = scale_args(scales, a, w, config)
     sargs.pop("stride_ase")
     grid = (m * cdiv(n_out, config.block_n),)
-    _moe_down_reduce_kernel[grid](
+    launch(_moe_down_reduce_kernel, grid,
         a, w, out, topk_weights_ptr=topk_weights if topk_weights is not None else w, topk_ids_ptr=topk_ids,
         expert_map_ptr=expert_map if expert_map is not None else topk_ids,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,

@@ -25,6 +25,7 @@ from tmoe.kernels.gemm_args import (
     Scales, fit_shared_memory, scale_args, shared_memory_budget, uniform_w_scale, weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -235,8 +236,8 @@ def invoke_moe_gemm(
         group_out, os_st = 1, (0, 0, 0)
     w_desc = weight_descriptor(w, config)
     grid = (num_pid_m * cdiv(n, config.block_n),)
-    _moe_gemm_kernel[grid](
-        a, w if w_desc is None else w_desc, out, W_DESC=w_desc is not None,
+    kwargs = dict(
+        W_DESC=w_desc is not None,
         UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, gated),
         topk_weights_ptr=topk_weights if topk_weights is not None else w,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
@@ -253,6 +254,10 @@ def invoke_moe_gemm(
         num_warps=config.num_warps, num_stages=config.num_stages,
         **route, **scale_args(scales, a, w, config),
     )
+    if w_desc is None:
+        launch(_moe_gemm_kernel, grid, a, w, out, **kwargs)
+    else:
+        _moe_gemm_kernel[grid](a, w_desc, out, **kwargs)
     return out
 
 

@@ -18,6 +18,7 @@ import triton.language as tl
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
 from tmoe.kernels.common import abs_no_nan, cdiv, fp8_scale, next_power_of_2, to_fp8
 from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -166,7 +167,7 @@ def per_token_group_quant_fp8(
     block_s = next_power_of_2(group_size)
     block_g = min(next_power_of_2(g), max(1, TILE // block_s))
     num_warps = max(2, min(8, block_g * block_s // 512))
-    _per_token_group_quant_fp8_kernel[(rows, cdiv(g, block_g))](
+    launch(_per_token_group_quant_fp8_kernel, (rows, cdiv(g, block_g)),
         x2, out_q, s2, num_groups=g, group_size=group_size, eps=eps,
         stride_xm=x2.stride(0), stride_qm=k, stride_sm=s2.stride(0), stride_sg=s2.stride(1),
         FP8_MAX=FP8_MAX, USE_UE8M0=use_ue8m0, BLOCK_G=block_g, BLOCK_S=block_s, num_warps=num_warps,
@@ -195,7 +196,7 @@ def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tens
     scales = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, scales
-    _per_token_quant_fp8_kernel[(rows,)](
+    launch(_per_token_quant_fp8_kernel, (rows,),
         x2, q, scales, K=k, eps=eps, stride_xm=x2.stride(0), stride_qm=k,
         FP8_MAX=FP8_MAX, BLOCK_K=min(PER_TOKEN_BLOCK_K, next_power_of_2(max(k, 1))), num_warps=4,
     )
@@ -225,7 +226,7 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if rows == 0 or k == 0:
         return q
     block_k = min(1024, next_power_of_2(k))
-    _static_quant_fp8_kernel[(rows, cdiv(k, block_k))](
+    launch(_static_quant_fp8_kernel, (rows, cdiv(k, block_k)),
         x2, q, scale, K=k, stride_xm=x2.stride(0), stride_qm=k, FP8_MAX=FP8_MAX, BLOCK_K=block_k, num_warps=4,
     )
     return q

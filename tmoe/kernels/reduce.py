@@ -8,6 +8,7 @@ import triton.language as tl
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, local_expert, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
 
 
 @triton.jit
@@ -103,7 +104,7 @@ def moe_reduce(
         return out
     block_k = min(1024, next_power_of_2(k))
     weights = topk_weights if topk_weights is not None else y
-    _moe_reduce_kernel[(m, cdiv(k, block_k))](
+    launch(_moe_reduce_kernel, (m, cdiv(k, block_k)),
         y, weights, topk_ids, expert_map if expert_map is not None else topk_ids,
         rows if rows is not None else topk_ids, out, K=k, num_experts=num_experts, num_local_experts=num_local_experts,
         stride_ym=y.stride(0) if rows is None else 0, stride_yt=y.stride(-2), stride_yk=y.stride(-1),

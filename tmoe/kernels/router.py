@@ -19,6 +19,7 @@ import triton.language as tl
 from tmoe.kernels.checks import FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
 from tmoe.kernels.common import _sigmoid, cdiv, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
 
 MAX_EXPERTS = 512
 SCORINGS = ("softmax", "sigmoid")
@@ -165,7 +166,7 @@ def topk_route(
         return topk_weights, topk_ids
     e_pad = max(16, next_power_of_2(e))
     block_m = max(1, min(32, 4096 // e_pad))
-    _topk_route_kernel[(cdiv(m, block_m),)](
+    launch(_topk_route_kernel, (cdiv(m, block_m),),
         router_logits, bias if bias is not None else router_logits, topk_weights, topk_ids,
         M=m, E=e, stride_lm=router_logits.stride(0), scaling=float(routed_scaling_factor),
         TOPK=topk, TOPK_PAD=next_power_of_2(topk), BLOCK_M=block_m, E_PAD=e_pad,

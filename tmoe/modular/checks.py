@@ -13,6 +13,12 @@ from tmoe.modular.quant_config import FusedMoEQuantConfig
 _TENSORS = ("expert_map", "w1_scale", "w2_scale", "a1_scale", "a2_scale", "w1_bias", "w2_bias")
 
 
+def call_signature(args: LayerArgs) -> tuple:
+    """What ``check_layer_call`` and the sizing of a call depend on: each tensor's shape, strides,
+    dtype and device, every other argument's value."""
+    return tuple((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
     """Shape, dtype and device checks of one layer call. ``quant``'s dtype is the weights' (None:
     w1/w2 have hidden_states' dtype; fp8: w1/w2 fp8 with their scales)."""

@@ -7,17 +7,20 @@ import functools
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_layer_call, check_static_scales
+from tmoe.modular.checks import call_signature, check_layer_call, check_static_scales
 from tmoe.modular.interfaces import (
     EXPERTS_KINDS, PREPARE_FINALIZE_KINDS, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize,
 )
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 DEFAULT_CHUNK_SIZE = 32768
+MAX_CALL_PLANS = 4096  # per modular kernel; cleared when full (plans hold sizes, no tensors)
 SPEC_SCHEMA = ("str prepare_finalize, int[] prepare_finalize_args, str group_name, str experts, int[] experts_args, "
                "str? quant_dtype, bool per_act_token_quant, bool per_out_ch_quant, int[]? block_shape, int chunk_size")
 
@@ -91,56 +94,98 @@ class KernelSpec:
         return cls(pf, tuple(pf_args), group_name, experts, tuple(experts_args), quant, chunk_size)
 
 
+class CallPlan(NamedTuple):
+    """What a call's signature fixes: sizes, the chunk, the workspace and fused-output shapes."""
+
+    m: int
+    k: int
+    n: int
+    topk: int
+    e_local: int
+    num_experts: int
+    chunk: int
+    ws13: tuple[int, ...]
+    ws2: tuple[int, ...]
+    out: tuple[int, ...]
+
+
 class ModularKernel:
-    """prepare -> experts -> finalize over chunks of tokens, eagerly (the layer op's body)."""
+    """prepare -> experts -> finalize over chunks of tokens, eagerly (the layer op's body). The
+    checks and sizes of a call are computed once per call signature (``call_signature``: each
+    tensor's shape, strides, dtype and device, every other argument's value) and kept in a plan."""
 
     def __init__(self, pf: FusedMoEPrepareAndFinalize, experts: FusedMoEPermuteExpertsUnpermute,
                  chunk_size: int) -> None:  # chunk_size 0: default_chunk_size() at each call
         check_compatible(pf, experts)
         self.prepare_finalize, self.fused_experts, self.chunk_size = pf, experts, chunk_size
+        self._plans: dict[tuple, CallPlan] = {}
 
+    @with_interpreter_fixes  # one swap for the call's launches (CPU); a no-op on a GPU
     def run(self, output: torch.Tensor, args: LayerArgs) -> torch.Tensor:
         """Writes the layer output into ``output`` (M, K) and returns it."""
         experts, pf = self.fused_experts, self.prepare_finalize
-        qc = experts.quant_config
-        check_layer_call(args, qc)
+        chunk_size = self.chunk_size or default_chunk_size()
+        key = (call_signature(args), chunk_size)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(args, chunk_size)
+            if len(self._plans) >= MAX_CALL_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
         check_static_scales(args)
+        m, chunk = plan.m, plan.chunk
+        if m == 0:
+            return output
+        x = args.hidden_states
+        if m <= chunk:  # one chunk: the workspaces in their shapes, no slicing
+            self._run_chunk(output, args, x, args.topk_ids, args.topk_weights, plan,
+                            torch.empty(plan.ws13, dtype=x.dtype, device=x.device),
+                            torch.empty(plan.ws2, dtype=x.dtype, device=x.device), plan.out)
+            return output
+        workspace13 = torch.empty(math.prod(plan.ws13), dtype=x.dtype, device=x.device)
+        workspace2 = torch.empty(math.prod(plan.ws2), dtype=x.dtype, device=x.device)
+        for start in range(0, m, chunk):
+            end = min(m, start + chunk)
+            xc = x[start:end]
+            s13, s2, s_out = experts.workspace_shapes(xc, pf.num_dispatched_tokens(end - start), plan.n, plan.k,
+                                                      plan.topk, plan.num_experts, plan.e_local)
+            self._run_chunk(output[start:end], args, xc, args.topk_ids[start:end], args.topk_weights[start:end], plan,
+                            workspace13[: math.prod(s13)].view(s13), workspace2[: math.prod(s2)].view(s2), s_out)
+        return output
+
+    def _plan(self, args: LayerArgs, chunk_size: int) -> CallPlan:
+        """Check a call and size its chunks and workspaces (once per call signature)."""
+        experts, pf = self.fused_experts, self.prepare_finalize
+        check_layer_call(args, experts.quant_config)
         if args.expert_map is not None and not experts.supports_expert_map():
             raise ValueError(f"{type(experts).__name__} does not support expert_map")
-        x, w1, w2 = args.hidden_states, args.w1, args.w2
+        x, w1 = args.hidden_states, args.w1
         m, k = x.shape
         topk = args.topk_ids.shape[1]
         e_local, n = w1.shape[0], w1.shape[1] // 2
         num_experts = args.global_num_experts if args.global_num_experts > 0 else e_local
         pf.check_local_experts(e_local)
-        if m == 0:
-            return output
-        chunk = min(m, self.chunk_size or default_chunk_size()) if experts.supports_chunking() else m
-        ws13_shape, ws2_shape, _ = experts.workspace_shapes(x, pf.num_dispatched_tokens(chunk), n, k, topk,
-                                                            num_experts, e_local)
-        workspace13 = torch.empty(math.prod(ws13_shape), dtype=x.dtype, device=x.device)
-        workspace2 = torch.empty(math.prod(ws2_shape), dtype=x.dtype, device=x.device)
-        for start in range(0, m, chunk):
-            end = min(m, start + chunk)
-            xc, ids, weights = x[start:end], args.topk_ids[start:end], args.topk_weights[start:end]
-            s13, s2, s_out = experts.workspace_shapes(xc, pf.num_dispatched_tokens(end - start), n, k, topk,
-                                                      num_experts, e_local)
-            ws13 = workspace13[: math.prod(s13)].view(s13)
-            ws2 = workspace2[: math.prod(s2)].view(s2)
-            prepared = pf.prepare(xc, weights, ids, num_experts, args.expert_map, args.apply_router_weight_on_input,
-                                  qc, args.a1_scale)
-            reduced = pf.accepts_reduced_output() and experts.reduces_topk(prepared.a1q.shape[0], topk)
-            fused_out = output[start:end] if reduced else ws13.view(s_out)
-            expert_ids = prepared.topk_ids if prepared.topk_ids is not None else ids
-            expert_weights = prepared.topk_weights if prepared.topk_weights is not None else weights
-            experts.apply(fused_out, prepared.a1q, w1, w2, expert_weights, expert_ids, args.activation, num_experts,
-                          args.expert_map, args.w1_scale, args.w2_scale, prepared.a1q_scale, args.a2_scale, ws13,
-                          ws2, prepared.expert_num_tokens, args.apply_router_weight_on_input, w1_bias=args.w1_bias,
-                          w2_bias=args.w2_bias)
-            pf.finalize(output[start:end], fused_out, weights, ids, args.apply_router_weight_on_input,
-                        num_experts=num_experts, expert_map=args.expert_map, prepared=prepared,
-                        num_local_experts=e_local)
-        return output
+        chunk = max(1, min(m, chunk_size) if experts.supports_chunking() else m)
+        ws13, ws2, out = experts.workspace_shapes(x, pf.num_dispatched_tokens(min(m, chunk)), n, k, topk, num_experts,
+                                                  e_local)
+        return CallPlan(m, k, n, topk, e_local, num_experts, chunk, ws13, ws2, out)
+
+    def _run_chunk(self, output: torch.Tensor, args: LayerArgs, x: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor, plan: CallPlan, ws13: torch.Tensor, ws2: torch.Tensor,
+                   out_shape: tuple[int, ...]) -> None:
+        experts, pf = self.fused_experts, self.prepare_finalize
+        prepared = pf.prepare(x, weights, ids, plan.num_experts, args.expert_map, args.apply_router_weight_on_input,
+                              experts.quant_config, args.a1_scale)
+        reduced = pf.accepts_reduced_output() and experts.reduces_topk(prepared.a1q.shape[0], plan.topk)
+        fused_out = output if reduced else ws13.view(out_shape)
+        expert_ids = prepared.topk_ids if prepared.topk_ids is not None else ids
+        expert_weights = prepared.topk_weights if prepared.topk_weights is not None else weights
+        experts.apply(fused_out, prepared.a1q, args.w1, args.w2, expert_weights, expert_ids, args.activation,
+                      plan.num_experts, args.expert_map, args.w1_scale, args.w2_scale, prepared.a1q_scale,
+                      args.a2_scale, ws13, ws2, prepared.expert_num_tokens, args.apply_router_weight_on_input,
+                      w1_bias=args.w1_bias, w2_bias=args.w2_bias)
+        pf.finalize(output, fused_out, weights, ids, args.apply_router_weight_on_input, num_experts=plan.num_experts,
+                    expert_map=args.expert_map, prepared=prepared, num_local_experts=plan.e_local)
 
 
 @functools.lru_cache(maxsize=256)
