@@ -1,30 +1,38 @@
-"""Kernel launches with less host time: ``launch(kernel, grid, *args, **kwargs)`` is
-``kernel[grid](*args, **kwargs)``, but after the first launch of an argument signature it calls the
-compiled kernel directly, skipping Triton's per-call binding, specialization and cache-key string
-(measured on the H200 host, Triton 3.6, a 61-argument GEMM: 62 µs through ``kernel[grid]``,
-12 µs for the direct call).
+"""Kernel launches with less host time.
 
-The signature is what Triton specializes on, taken exactly: each tensor's dtype and whether its
-address is 16-byte aligned, every other argument's value (ints, floats, constexprs, launch options),
-the argument names, and the current device. Equal signatures compile to the same kernel, so the
-direct call runs exactly what ``kernel[grid]`` would. Launches go through Triton as usual under
-the interpreter or with a launch hook installed (profilers). Not for tensor-descriptor arguments
-(launch those with ``kernel[grid]``)."""
+``launch(kernel, grid, *args, **kwargs)`` is ``kernel[grid](*args, **kwargs)``, but after the first
+launch of an argument signature it calls the compiled kernel directly, skipping Triton's per-call
+binding, specialization and cache-key string (measured on the H200 host, Triton 3.6, a 61-argument
+GEMM: 62 µs through ``kernel[grid]``, 12 µs for the direct call). The signature is what Triton
+specializes on, taken exactly: each tensor's dtype and whether its address is 16-byte aligned,
+every other argument's value (ints, floats, constexprs, launch options), the argument names and
+the current device. Equal signatures compile to the same kernel, so the direct call runs exactly
+what ``kernel[grid]`` would.
+
+``@planned`` goes one step further for a launcher whose kernel reads its arguments' tensors
+directly: the launcher's body (checks, tile fitting, strides, the kernel's keyword arguments)
+runs once per static signature of the launcher's arguments, and later calls only swap the
+tensors in.
+
+Launches go through Triton as usual under the interpreter's launch path where noted, with a
+launch hook installed (profilers), and for tensor-descriptor arguments."""
 from __future__ import annotations
 
-from typing import Any
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import triton
 
 from tmoe.kernels.interpreter import INTERPRETED
 
-MAX_SIGNATURES = 4096  # per kernel; the table is cleared when it fills (keys hold no tensors)
+MAX_SIGNATURES = 4096  # per kernel or launcher; the table is cleared when it fills (keys hold no tensors)
 _Tensor = torch.Tensor
 
 
 class _Compiled:
-    """A compiled kernel and where each of its parameters sits in a call's (args, kwargs)."""
+    """A compiled kernel and where each of its parameters sits in a call's values."""
 
     __slots__ = ("run", "function", "metadata", "order")
 
@@ -33,17 +41,53 @@ class _Compiled:
             kernel = kernel.result()
         self.run, self.function, self.metadata, self.order = kernel.run, kernel.function, kernel.packed_metadata, order
 
+    def __call__(self, grid: tuple[int, int, int], device: int, values: tuple | list) -> None:
+        self.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), self.function, self.metadata,
+                 None, None, None, *[values[i] for i in self.order])
 
-_tables: dict[Any, dict[tuple, _Compiled]] = {}
 
-
-def _signature(values: tuple) -> tuple:
-    return tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, _Tensor) else v for v in values)
+def _hook_set(hook: Any) -> bool:
+    """A hook is set: a plain callable, or a ``triton.knobs.HookChain`` holding calls."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _hooked() -> bool:
     rt = triton.knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
+
+
+def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    return (grid + (1, 1))[:3] if len(grid) < 3 else grid
+
+
+def _compile(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> _Compiled | None:
+    """Launch through Triton (compiling if needed); the compiled kernel for direct calls, or None
+    when a parameter was left to its default."""
+    ran = kernel[grid](*args, **kwargs)
+    names = kernel.arg_names
+    position = {name: len(args) + i for i, name in enumerate(kwargs)}  # launch options too (num_warps)
+    position.update({name: i for i, name in enumerate(names[: len(args)])})
+    if ran is None or any(name not in position for name in names):
+        return None
+    return _Compiled(ran, tuple(position[name] for name in names))
+
+
+_tables: dict[int, dict[tuple, _Compiled | None]] = {}  # id(kernel) -> signature -> compiled
+_plan_tables: list[dict] = []  # each @planned launcher's plans
+
+
+def clear_launch_caches() -> None:
+    """Forget every signature seen: the next launches go through Triton again (tests)."""
+    _tables.clear()
+    for plans in _plan_tables:
+        plans.clear()
+
+
+def direct_call_count() -> int:
+    """How many signatures (launch and planned) have a compiled kernel for direct calls."""
+    plans = [p for table in _plan_tables for p in table.values()]
+    return (sum(c is not None for t in _tables.values() for c in t.values())
+            + sum(c is not None for p in plans for c in p.compiled.values()))
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -53,24 +97,109 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Non
         kernel[grid](*args, **kwargs)
         return
     values = args + tuple(kwargs.values())
-    device = torch.cuda.current_device()
-    table = _tables.setdefault(kernel, {})
-    key = (device, tuple(kwargs), _signature(values))
+    device = torch._C._cuda_getDevice()
+    table = _tables.setdefault(id(kernel), {})
+    key = (device, tuple(kwargs),
+           tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, _Tensor) else v for v in values))
     compiled = table.get(key)
     if compiled is None:
-        ran = kernel[grid](*args, **kwargs)
-        if ran is None:
-            return
         if len(table) >= MAX_SIGNATURES:
             table.clear()
-        names = list(kernel.arg_names)
-        position = {name: len(args) + i for i, name in enumerate(kwargs)}
-        position.update({name: i for i, name in enumerate(names[: len(args)])})
-        if len(position) != len(names):  # a parameter left to its default: keep Triton's path
-            return
-        table[key] = _Compiled(ran, tuple(position[name] for name in names))
+        table[key] = _compile(kernel, grid, args, kwargs)
         return
-    g = grid + (1,) * (3 - len(grid))
-    stream = torch._C._cuda_getCurrentRawStream(device)
-    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.metadata, None, None, None,
-                 *[values[i] for i in compiled.order])
+    compiled(_grid3(grid), device, values)
+
+
+@dataclass
+class Launch:
+    """What a ``@planned`` launcher's body asks for: ``kernel[grid](**kwargs)``, then return ``result``."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    kwargs: dict[str, Any]
+    result: Any
+
+
+def _leaves(args: tuple, kwargs: dict) -> list:
+    """The arguments, dataclass arguments (routing, scales) replaced by their type and fields."""
+    out = []
+    for v in (*args, *kwargs.values()):
+        if hasattr(v, "__dataclass_fields__"):
+            out.append(type(v))
+            out.extend(v.__dict__.values())
+        else:
+            out.append(v)
+    return out
+
+
+def _static(v: Any) -> Any:
+    if isinstance(v, _Tensor):
+        return v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16 == 0
+    return v
+
+
+class _Plan:
+    """A Launch with its tensors replaced by slots: indices into the call's leaves."""
+
+    __slots__ = ("kernel", "grid", "grid3", "names", "static", "slots", "result_slot", "compiled")
+
+    def __init__(self, launch_: Launch, leaves: list) -> None:
+        where = {id(v): i for i, v in enumerate(leaves) if isinstance(v, _Tensor)}
+        tensors = {name: v for name, v in launch_.kwargs.items() if isinstance(v, _Tensor)}
+        if any(id(v) not in where for v in tensors.values()) or id(launch_.result) not in where:
+            raise LookupError("a launch tensor is not one of the launcher's arguments")
+        self.kernel, self.grid, self.grid3 = launch_.kernel, launch_.grid, _grid3(launch_.grid)
+        self.names = tuple(tensors)
+        self.static = {name: v for name, v in launch_.kwargs.items() if name not in tensors}
+        self.slots = tuple(where[id(v)] for v in tensors.values())
+        self.result_slot = where[id(launch_.result)]
+        self.compiled: dict[int, _Compiled | None] = {}  # device index -> compiled
+
+    def __call__(self, leaves: list) -> Any:
+        tensors = [leaves[i] for i in self.slots]
+        if INTERPRETED or _hooked():
+            self.kernel[self.grid](**self.static, **dict(zip(self.names, tensors)))
+            return leaves[self.result_slot]
+        device = torch._C._cuda_getDevice()
+        compiled = self.compiled.get(device, False)
+        values = (*tensors, *self.static.values())
+        if compiled is False or compiled is None:
+            kwargs = {**dict(zip(self.names, tensors)), **self.static}
+            made = _compile(self.kernel, self.grid, (), kwargs)
+            if compiled is False:
+                self.compiled[device] = made
+        else:
+            compiled(self.grid3, device, values)
+        return leaves[self.result_slot]
+
+
+def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
+    """Decorate a launcher body that checks its arguments and returns the ``Launch`` to run (or a
+    plain result when there is nothing to launch). The Launch is kept per static signature of the
+    arguments (each tensor's shape, strides, dtype, device and 16-byte alignment; dataclass
+    arguments field by field; other values as they are), with its tensors as slots into the
+    arguments; a later call of the signature skips the body and launches with its own tensors.
+    A body whose launch reads a tensor it made itself (not an argument) runs every call."""
+    plans: dict[tuple, _Plan | None] = {}
+    _plan_tables.append(plans)
+
+    @functools.wraps(body)
+    def launcher(*args: Any, **kwargs: Any) -> Any:
+        leaves = _leaves(args, kwargs)
+        key = (tuple(kwargs), *[_static(v) for v in leaves])
+        plan = plans.get(key)
+        if plan is None:
+            launch_ = body(*args, **kwargs)
+            if not isinstance(launch_, Launch):
+                return launch_
+            try:
+                plan = _Plan(launch_, leaves)
+            except LookupError:
+                launch_.kernel[launch_.grid](**launch_.kwargs)
+                return launch_.result
+            if len(plans) >= MAX_SIGNATURES:
+                plans.clear()
+            plans[key] = plan
+        return plan(leaves)
+
+    return launcher

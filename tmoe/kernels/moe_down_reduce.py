@@ -16,7 +16,7 @@ from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
 from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, shared_memory_budget
 from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels.launch import Launch, planned
 
 
 @triton.jit
@@ -106,6 +106,7 @@ def _moe_down_reduce_kernel(
 
 
 @with_interpreter_fixes
+@planned
 def moe_down_reduce(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -130,7 +131,7 @@ def moe_down_reduce(
         config: tiles; block_m is 16 (row 0 of each tile is the token).
         topk_weights: (M, topk) float32 contiguous, or None for weight 1 (applied on the input).
         bias: (E, K), added per slot before its weight.
-    Shapes were checked by the caller.
+    Shapes were checked by the caller. Planned: the body runs once per static signature.
     """
     m, topk = topk_ids.shape
     n_out, k = w.shape[1], w.shape[2]
@@ -140,8 +141,8 @@ def moe_down_reduce(
     sargs = scale_args(scales, a, w, config)
     sargs.pop("stride_ase")
     grid = (m * cdiv(n_out, config.block_n),)
-    launch(_moe_down_reduce_kernel, grid,
-        a, w, out, topk_weights_ptr=topk_weights if topk_weights is not None else w, topk_ids_ptr=topk_ids,
+    return Launch(_moe_down_reduce_kernel, grid, dict(
+        a_ptr=a, w_ptr=w, out_ptr=out, topk_weights_ptr=topk_weights if topk_weights is not None else w, topk_ids_ptr=topk_ids,
         expert_map_ptr=expert_map if expert_map is not None else topk_ids,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
         N=n_out, K=k, num_tokens=m, num_experts=num_experts, num_local_experts=w.shape[0],
@@ -152,5 +153,4 @@ def moe_down_reduce(
         APPLY_WEIGHTS=topk_weights is not None, HAS_MAP=expert_map is not None, HAS_BIAS=bias is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **sargs,
-    )
-    return out
+    ), out)

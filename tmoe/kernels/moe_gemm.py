@@ -25,7 +25,7 @@ from tmoe.kernels.gemm_args import (
     Scales, fit_shared_memory, scale_args, shared_memory_budget, uniform_w_scale, weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels.launch import Launch, planned
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -179,6 +179,7 @@ class DirectRouting:
 
 
 @with_interpreter_fixes
+@planned
 def invoke_moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -202,7 +203,8 @@ def invoke_moe_gemm(
     quantizes per 1 x g group, g = N_out // out_scale.shape[-1] (a divisor of ``config.block_n``),
     writing the codes to ``out`` and the scales, max(absmax, quant_eps) / 448, to ``out_scale``
     (rows, N_out / g), exactly as ``per_token_group_quant_fp8`` of the float32 intermediate.
-    Shapes were checked by the caller."""
+    Shapes were checked by the caller. Planned (``tmoe.kernels.launch.planned``): the body runs
+    once per static signature of the arguments."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     batched = routing is None
@@ -237,7 +239,7 @@ def invoke_moe_gemm(
     w_desc = weight_descriptor(w, config)
     grid = (num_pid_m * cdiv(n, config.block_n),)
     kwargs = dict(
-        W_DESC=w_desc is not None,
+        a_ptr=a, w_ptr=w, out_ptr=out, W_DESC=w_desc is not None,
         UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, gated),
         topk_weights_ptr=topk_weights if topk_weights is not None else w,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
@@ -254,11 +256,10 @@ def invoke_moe_gemm(
         num_warps=config.num_warps, num_stages=config.num_stages,
         **route, **scale_args(scales, a, w, config),
     )
-    if w_desc is None:
-        launch(_moe_gemm_kernel, grid, a, w, out, **kwargs)
-    else:
-        _moe_gemm_kernel[grid](a, w_desc, out, **kwargs)
-    return out
+    if w_desc is not None:  # a descriptor is built per call: launched here, not planned
+        _moe_gemm_kernel[grid](**{**kwargs, "w_ptr": w_desc})
+        return out
+    return Launch(_moe_gemm_kernel, grid, kwargs, out)
 
 
 def fused_quant_group(n: int, num_groups: int, config: GemmConfig, gated: bool) -> int:
