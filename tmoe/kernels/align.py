@@ -15,7 +15,7 @@ import triton.language as tl
 from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels.launch import Launch, launch, planned
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
@@ -190,6 +190,24 @@ def moe_align_block_size(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts must be a positive int, got {num_experts}")
+    max_padded, num_blocks = align_output_sizes(topk_ids.numel(), block_size, num_experts)
+    dev = topk_ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
+    num_post_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_into(topk_ids, block_size, num_experts, expert_map, expert_offsets, sorted_ids, expert_ids, num_post_padded,
+                num_local_experts=num_local_experts)
+    return sorted_ids, expert_ids, num_post_padded
+
+
+@planned
+def _align_into(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None,
+    expert_offsets: torch.Tensor | None, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_post_padded: torch.Tensor, *, num_local_experts: int | None,
+) -> Launch | torch.Tensor:
+    """``moe_align_block_size`` into its outputs: checks, then the launches (one kernel up to
+    a chunk of slots: planned, once per signature; more: the count, scan and scatter kernels)."""
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
         if expert_map.shape[0] != num_experts:
@@ -200,11 +218,8 @@ def moe_align_block_size(
         if expert_offsets.shape[0] != num_experts + 1:
             raise ValueError(f"expert_offsets must have num_experts + 1 = {num_experts + 1} entries")
     numel = topk_ids.numel()
-    max_padded, num_blocks = align_output_sizes(numel, block_size, num_experts)
+    max_padded, num_blocks = sorted_ids.shape[0], expert_ids.shape[0]
     dev = topk_ids.device
-    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    num_post_padded = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = max(16, next_power_of_2(num_experts))
     meta = dict(E_PAD=e_pad, HAS_MAP=expert_map is not None, HAS_OFFSETS=expert_offsets is not None, TILE=64,
                 BLOCK_SIZE=block_size)
@@ -214,11 +229,12 @@ def moe_align_block_size(
     chunk = min(MAX_CHUNK, sub * SUBS_PER_CHUNK, max(16, next_power_of_2(numel)))
     sub = min(sub, chunk)
     if numel <= chunk:
-        launch(_align_single_kernel, (1,),
-            topk_ids, sorted_ids, expert_ids, num_post_padded, emap, offsets, numel, num_experts, num_local_experts,
-            max_padded, num_blocks, CHUNK=chunk, SUB=sub, **meta,
-        )
-        return sorted_ids, expert_ids, num_post_padded
+        return Launch(_align_single_kernel, (1,), dict(
+            topk_ids_ptr=topk_ids, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
+            num_post_padded_ptr=num_post_padded, expert_map_ptr=emap, offsets_ptr=offsets, numel=numel,
+            num_experts=num_experts, num_local_experts=num_local_experts, max_padded=max_padded,
+            num_blocks=num_blocks, CHUNK=chunk, SUB=sub, **meta,
+        ), sorted_ids)
     num_chunks = cdiv(numel, chunk)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
     launch(_align_count_kernel, (num_chunks,), topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad)
@@ -229,4 +245,4 @@ def moe_align_block_size(
     launch(_align_scatter_kernel, (num_chunks,),
         topk_ids, sorted_ids, counts, numel, num_experts, CHUNK=chunk, SUB=sub, E_PAD=e_pad
     )
-    return sorted_ids, expert_ids, num_post_padded
+    return sorted_ids

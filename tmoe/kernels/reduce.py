@@ -8,7 +8,7 @@ import triton.language as tl
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, local_expert, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels.launch import Launch, planned
 
 
 @triton.jit
@@ -75,6 +75,20 @@ def moe_reduce(
     Returns:
         (M, K) tensor.
     """
+    if out is None:
+        check_tensor("y", y, dtypes=FLOAT_DTYPES, ndim=3 if rows is None else 2)
+        check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=y.device)
+        out = torch.empty((topk_ids.shape[0], y.shape[-1]), dtype=y.dtype, device=y.device)
+    return _moe_reduce_into(y, topk_ids, num_experts, topk_weights, expert_map, out, rows,
+                            num_local_experts=num_local_experts)
+
+
+@planned
+def _moe_reduce_into(
+    y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, topk_weights: torch.Tensor | None,
+    expert_map: torch.Tensor | None, out: torch.Tensor, rows: torch.Tensor | None, *, num_local_experts: int | None,
+) -> torch.Tensor | Launch:
+    """``moe_reduce`` into ``out``: checks, then the launch (planned: once per signature)."""
     check_tensor("y", y, dtypes=FLOAT_DTYPES, ndim=3 if rows is None else 2)
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=y.device)
     m, topk = topk_ids.shape
@@ -95,22 +109,20 @@ def moe_reduce(
         check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=y.device, contiguous=True)
         check_shape("expert_map", expert_map, (num_experts,))
     num_local_experts = check_num_local_experts(num_local_experts, expert_map, num_experts)
-    if out is None:
-        out = torch.empty((m, k), dtype=y.dtype, device=y.device)
-    else:
-        check_tensor("out", out, dtypes=FLOAT_DTYPES, ndim=2, device=y.device)
-        check_shape("out", out, (m, k))
+    check_tensor("out", out, dtypes=FLOAT_DTYPES, ndim=2, device=y.device)
+    check_shape("out", out, (m, k))
     if m == 0 or k == 0:
         return out
     block_k = min(1024, next_power_of_2(k))
     weights = topk_weights if topk_weights is not None else y
-    launch(_moe_reduce_kernel, (m, cdiv(k, block_k)),
-        y, weights, topk_ids, expert_map if expert_map is not None else topk_ids,
-        rows if rows is not None else topk_ids, out, K=k, num_experts=num_experts, num_local_experts=num_local_experts,
+    return Launch(_moe_reduce_kernel, (m, cdiv(k, block_k)), dict(
+        y_ptr=y, weights_ptr=weights, topk_ids_ptr=topk_ids,
+        expert_map_ptr=expert_map if expert_map is not None else topk_ids,
+        rows_ptr=rows if rows is not None else topk_ids, out_ptr=out,
+        K=k, num_experts=num_experts, num_local_experts=num_local_experts,
         stride_ym=y.stride(0) if rows is None else 0, stride_yt=y.stride(-2), stride_yk=y.stride(-1),
         stride_wm=weights.stride(0), stride_im=topk_ids.stride(0), stride_om=out.stride(0), stride_ok=out.stride(1),
         TOPK=topk, BLOCK_K=block_k, APPLY_WEIGHTS=topk_weights is not None, HAS_MAP=expert_map is not None,
         HAS_ROWS=rows is not None,
         num_warps=4,
-    )
-    return out
+    ), out)
