@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import triton
 
+from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.interpreter import INTERPRETED
 
 MAX_SIGNATURES = 4096  # per kernel or launcher; the table is cleared when it fills (keys hold no tensors)
@@ -42,8 +43,12 @@ class _Compiled:
         self.run, self.function, self.metadata, self.order = kernel.run, kernel.function, kernel.packed_metadata, order
 
     def __call__(self, grid: tuple[int, int, int], device: int, values: tuple | list) -> None:
+        self.launch(grid, device, [values[i] for i in self.order])
+
+    def launch(self, grid: tuple[int, int, int], device: int, params: list) -> None:
+        """Launch with the kernel's parameters in order."""
         self.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device), self.function, self.metadata,
-                 None, None, None, *[values[i] for i in self.order])
+                 None, None, None, *params)
 
 
 def _hook_set(hook: Any) -> bool:
@@ -87,7 +92,7 @@ def direct_call_count() -> int:
     """How many signatures (launch and planned) have a compiled kernel for direct calls."""
     plans = [p for table in _plan_tables for p in table.values()]
     return (sum(c is not None for t in _tables.values() for c in t.values())
-            + sum(c is not None for p in plans for c in p.compiled.values()))
+            + sum(len(p.compiled) for p in plans))
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -121,10 +126,11 @@ class Launch:
 
 
 def _leaves(args: tuple, kwargs: dict) -> list:
-    """The arguments, dataclass arguments (routing, scales) replaced by their type and fields."""
+    """The arguments, dataclass arguments that carry tensors (routing, scales) replaced by their
+    type and fields (a GemmConfig is a plain hashable value)."""
     out = []
     for v in (*args, *kwargs.values()):
-        if hasattr(v, "__dataclass_fields__"):
+        if hasattr(v, "__dataclass_fields__") and not isinstance(v, GemmConfig):
             out.append(type(v))
             out.extend(v.__dict__.values())
         else:
@@ -141,7 +147,8 @@ def _static(v: Any) -> Any:
 class _Plan:
     """A Launch with its tensors replaced by slots: indices into the call's leaves."""
 
-    __slots__ = ("kernel", "grid", "grid3", "names", "static", "slots", "result_slot", "compiled")
+    __slots__ = ("kernel", "grid", "grid3", "names", "static", "slots", "result_slot", "compiled", "template",
+                 "positions")
 
     def __init__(self, launch_: Launch, leaves: list) -> None:
         where = {id(v): i for i, v in enumerate(leaves) if isinstance(v, _Tensor)}
@@ -154,23 +161,36 @@ class _Plan:
         self.slots = tuple(where[id(v)] for v in tensors.values())
         self.result_slot = where[id(launch_.result)]
         self.compiled: dict[int, _Compiled | None] = {}  # device index -> compiled
+        self.template: list = []  # the kernel's parameters in order, tensors as placeholders
+        self.positions: tuple[int, ...] = ()  # where each slot's tensor goes in the template
 
     def __call__(self, leaves: list) -> Any:
-        tensors = [leaves[i] for i in self.slots]
         if INTERPRETED or _hooked():
-            self.kernel[self.grid](**self.static, **dict(zip(self.names, tensors)))
+            self.kernel[self.grid](**self.static, **{n: leaves[i] for n, i in zip(self.names, self.slots)})
             return leaves[self.result_slot]
         device = torch._C._cuda_getDevice()
-        compiled = self.compiled.get(device, False)
-        values = (*tensors, *self.static.values())
-        if compiled is False or compiled is None:
-            kwargs = {**dict(zip(self.names, tensors)), **self.static}
-            made = _compile(self.kernel, self.grid, (), kwargs)
-            if compiled is False:
-                self.compiled[device] = made
+        compiled = self.compiled.get(device)
+        if compiled is None:
+            self._first_launch(device, [leaves[i] for i in self.slots])
         else:
-            compiled(self.grid3, device, values)
+            params = self.template.copy()
+            for pos, i in zip(self.positions, self.slots):
+                params[pos] = leaves[i]
+            compiled.launch(self.grid3, device, params)
         return leaves[self.result_slot]
+
+    def _first_launch(self, device: int, tensors: list) -> None:
+        """Through Triton; keep the compiled kernel (unless it cannot be called directly)."""
+        kwargs = {**dict(zip(self.names, tensors)), **self.static}
+        compiled = _compile(self.kernel, self.grid, (), kwargs)
+        if compiled is None or device in self.compiled:
+            return
+        values = (*tensors, *self.static.values())
+        self.positions = tuple(compiled.order.index(j) for j in range(len(tensors)))
+        self.template = [values[i] for i in compiled.order]
+        for pos in self.positions:  # hold no tensor of this call
+            self.template[pos] = None
+        self.compiled[device] = compiled
 
 
 def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
