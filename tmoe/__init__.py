@@ -20,6 +20,7 @@ from tmoe.fused import fused_experts  # noqa: E402
 from tmoe.layer import FusedMoE, FusedMoEModularKernel  # noqa: E402
 from tmoe.modular import (  # noqa: E402
     AllGatherPrepareAndFinalize,
+    AllToAllPrepareAndFinalize,
     BatchedPrepareAndFinalize,
     BatchedTritonExperts,
     FusedMoEActivationFormat,
@@ -40,7 +41,7 @@ from tmoe.weights import (  # noqa: E402
 )
 
 __all__ = [
-    "AllGatherPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoE",
+    "AllGatherPrepareAndFinalize", "AllToAllPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoE",
     "FusedMoEActivationFormat", "FusedMoEModularKernel", "FusedMoEPermuteExpertsUnpermute",
     "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "GemmConfig", "MoEConfig", "NoEPPrepareAndFinalize",
     "PrepareResult", "TritonExperts", "fused_experts", "get_config", "moe_align_block_size", "moe_reduce",

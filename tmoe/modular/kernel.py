@@ -113,14 +113,15 @@ class ModularKernel:
         e_local, n = w1.shape[0], w1.shape[1] // 2
         num_experts = args.global_num_experts if args.global_num_experts > 0 else e_local
         pf.check_local_experts(e_local)
-        if m == 0:
+        if m == 0 and not pf.runs_with_no_tokens():
             return output
         chunk = min(m, self.chunk_size or default_chunk_size()) if experts.supports_chunking() else m
+        chunk = max(chunk, 1)  # m == 0 with a collective prepare/finalize: one empty chunk
         ws13_shape, ws2_shape, _ = experts.workspace_shapes(x, pf.num_dispatched_tokens(chunk), n, k, topk,
                                                             num_experts, e_local)
         workspace13 = torch.empty(math.prod(ws13_shape), dtype=x.dtype, device=x.device)
         workspace2 = torch.empty(math.prod(ws2_shape), dtype=x.dtype, device=x.device)
-        for start in range(0, m, chunk):
+        for start in range(0, max(m, 1), chunk):
             end = min(m, start + chunk)
             xc, ids, weights = x[start:end], args.topk_ids[start:end], args.topk_weights[start:end]
             s13, s2, s_out = experts.workspace_shapes(xc, pf.num_dispatched_tokens(end - start), n, k, topk,
