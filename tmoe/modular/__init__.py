@@ -5,6 +5,7 @@ from tmoe.modular.alltoall import AllToAllPrepareAndFinalize
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.distributed import AllGatherPrepareAndFinalize
 from tmoe.modular.experts import BatchedTritonExperts, TritonExperts
+from tmoe.modular.expert_parallel import ExpertParallel
 from tmoe.modular.interfaces import (
     FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, PrepareResult,
 )
@@ -14,8 +15,8 @@ from tmoe.modular.prepare_finalize import BatchedPrepareAndFinalize, NoEPPrepare
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 __all__ = [
-    "AllGatherPrepareAndFinalize", "AllToAllPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoEActivationFormat",
-    "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "KernelSpec",
-    "LayerArgs", "ModularKernel", "NoEPPrepareAndFinalize", "PLACEMENTS", "PrepareResult", "TritonExperts", "build", "expert_map",
-    "local_expert_ids", "shard_experts",
+    "AllGatherPrepareAndFinalize", "AllToAllPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts",
+    "ExpertParallel", "FusedMoEActivationFormat", "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize",
+    "FusedMoEQuantConfig", "KernelSpec", "LayerArgs", "ModularKernel", "NoEPPrepareAndFinalize", "PLACEMENTS",
+    "PrepareResult", "TritonExperts", "build", "expert_map", "local_expert_ids", "shard_experts",
 ]
