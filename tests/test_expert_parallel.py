@@ -172,6 +172,37 @@ def _run_layers(device: torch.device) -> None:
     assert_close(after, before, torch.float32, name="Mixtral with expert parallel experts")
 
 
+def _bad_inputs(device: torch.device) -> None:
+    """docs/bad_inputs.md, expert parallelism: each raises before any launch or collective."""
+    import tmoe
+
+    world = dist.get_world_size()
+    pf = tmoe.AllToAllPrepareAndFinalize(None, 4, E)
+    kernel = tmoe.FusedMoEModularKernel(pf, tmoe.BatchedTritonExperts(pf.expert_capacity))
+    x = torch.randn(5, K, device=device)
+    w1, w2 = torch.randn(E // world, 2 * N, K, device=device), torch.randn(E // world, K, N, device=device)
+    ids = torch.zeros(5, 1, dtype=torch.int32, device=device)
+    weights = torch.ones(5, 1, device=device)
+    call = dict(global_num_experts=E, expert_map=expert_map(E, world, dist.get_rank(), device=device))
+    bad = [
+        (lambda: tmoe.AllToAllPrepareAndFinalize(None, 4, E + 1), "must be a multiple of the world size"),
+        (lambda: tmoe.AllToAllPrepareAndFinalize(None, 4, E, placement="striped"), "placement must be one of"),
+        (lambda: tmoe.AllToAllPrepareAndFinalize(None, 0, E), "max_tokens_per_rank must be positive"),
+        (lambda: tmoe.ExpertParallel(), "max_tokens_per_rank must be positive"),
+        (lambda: tmoe.ExpertParallel(mode="alltoallv"), "mode must be one of"),
+        (lambda: kernel(x, w1, w2, weights, ids, **call), "5 tokens, more than max_tokens_per_rank=4"),
+        (lambda: kernel(x[:4], w1, w2, weights[:4], ids[:4], apply_router_weight_on_input=True, **call),
+         "apply_router_weight_on_input is not supported"),
+        (lambda: kernel(x[:4], w1[:1], w2[:1], weights[:4], ids[:4], **call), "needs 4 local experts in w1/w2"),
+        (lambda: kernel(x[:4], w1, w2, weights[:4], ids[:4], global_num_experts=2 * E,
+                        expert_map=torch.full((2 * E,), -1, dtype=torch.int32, device=device)),
+         "global_num_experts=16 differs"),
+    ]
+    for fn, message in bad:
+        with pytest.raises(ValueError, match=message):
+            fn()
+
+
 def _rank_main(rank: int, world: int, init_file: str, backend: str) -> None:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
@@ -182,6 +213,7 @@ def _rank_main(rank: int, world: int, init_file: str, backend: str) -> None:
         for i, case in enumerate(CASES[world]):
             _run_case(case, seed=100 + i, device=device)
         if world == 2:
+            _bad_inputs(device)
             _run_layers(device)
     finally:
         dist.destroy_process_group()
@@ -286,3 +318,20 @@ def test_ep_permute_against_torch(to_batch):
             else:
                 want[seg] = src[batch]
     assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out[~out.isnan()], want[~want.isnan()])
+
+
+def test_bench_ep_traffic_by_hand():
+    from tmoe.tools.bench_ep import capacity_for, traffic
+
+    assert capacity_for(64, 128, 8, 2.0) == 8 and capacity_for(1, 256, 8, 2.0) == 1 and capacity_for(4, 2, 2, 2.0) == 4
+    # all-gather over 4 ranks: 3 other ranks' 10 tokens of 16 bf16 + 2 ids and weights; fp32 partial sums back
+    assert traffic("allgather", 10, 8, 16, 2, 4, 0, 2, 0) == (3 * 10 * (32 + 16), 3 * 10 * 16 * 4)
+    # all-to-all over 4 ranks, E=8, C=3: 3/4 of the (8, 3, 16) fp8 buffer + its 2 scale columns and counts
+    assert traffic("alltoall", 10, 8, 16, 2, 4, 3, 1, 2) == (0.75 * 8 * 3 * (16 + 8) + 0.75 * 32, 0.75 * 8 * 3 * 32)
+    assert traffic("alltoall", 10, 8, 16, 2, 1, 3, 2, 0) == (0.0, 0.0)
+
+
+def test_bench_ep_runs_at_world_size_1(capsys):
+    from tmoe.tools.bench_ep import main
+
+    assert main(["--shapes", "tiny", "--ms", "3", "--iters", "1", "--warmup", "0", "--world-size", "1"]) == 0

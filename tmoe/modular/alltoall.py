@@ -135,7 +135,10 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         placement) on ``device`` adds to the same tensor. Read it after a step without a sync
         on the device, or ``.item()`` it on the host. Call it (or run one step) before CUDA-graph
         capture so that capture finds the counter allocated; replays then add to it."""
-        key = (self._group_name, *self.op_args(), str(torch.device(device)))
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (self._group_name, *self.op_args(), str(device))
         counter = _DROPPED.get(key)
         if counter is None:
             counter = _DROPPED[key] = torch.zeros((), dtype=torch.int64, device=device)
