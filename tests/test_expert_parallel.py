@@ -11,6 +11,7 @@ spawned ranks ``torch.empty`` is NaN-poisoned as in conftest, so an unwritten ro
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from dataclasses import dataclass
 
@@ -139,6 +140,7 @@ def _run_layers(device: torch.device) -> None:
     """``FusedMoE`` and ``replace_moe_blocks`` with an ``ExpertParallel`` shard themselves and
     match the unsharded layer (uneven tokens per rank)."""
     import tmoe
+    from tmoe.modular import LayerArgs
     from tmoe.reference import moe_reference
     from tmoe.testing import assert_close
 
@@ -154,7 +156,13 @@ def _run_layers(device: torch.device) -> None:
         layer = tmoe.FusedMoE.from_experts(gate, up, down, TOPK, router_weight=full.router_weight, expert_parallel=ep)
         assert layer.w1.shape[0] == E // dist.get_world_size()
         xs = x if ep.mode == "alltoall" else x[:3]  # all-gather: the same token count on every rank
-        assert_close(layer(xs), ref[: xs.shape[0]], torch.float32, name=f"FusedMoE {ep}")
+        out = layer(xs)
+        assert_close(out, ref[: xs.shape[0]], torch.float32, name=f"FusedMoE {ep}")
+        # by value: the layer op rebuilds the kernel from its spec (group by name); a pickled copy runs the same
+        w, i = layer.route(xs @ layer.router_weight.T)
+        args = LayerArgs(xs, layer.w1, layer.w2, w, i, global_num_experts=E, expert_map=layer.expert_map)
+        assert torch.equal(torch.ops.tmoe.modular_forward(*args, *layer.kernel.spec.as_args()), out)
+        assert torch.equal(pickle.loads(pickle.dumps(layer))(xs), out)
 
     transformers = pytest.importorskip("transformers")
     from tmoe.integrations.transformers import replace_moe_blocks
