@@ -43,7 +43,8 @@ CASES = {
         Case((3, 6), "out_of_range", "fp8", "contiguous", capacity=1)],
     4: [Case((2, 0, 5, 1), "uniform", "bf16", "contiguous"),
         Case((3, 3, 0, 4), "one_rank", "fp8", "round_robin", capacity=2),
-        Case((1, 6, 2, 2), "out_of_range", "bf16", "round_robin", capacity=1)],
+        Case((1, 6, 2, 2), "out_of_range", "bf16", "round_robin", capacity=1),
+        Case((4, 1, 3, 0), "uniform", "fp8", "contiguous")],
 }
 
 

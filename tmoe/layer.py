@@ -108,11 +108,11 @@ class FusedMoE(nn.Module):
         e_local = e if expert_parallel is None else expert_parallel.num_local_experts(e)
         self.w1 = nn.Parameter(torch.randn(e_local, 2 * n, k, **make) / k**0.5, requires_grad=False)
         self.w2 = nn.Parameter(torch.randn(e_local, k, n, **make) / n**0.5, requires_grad=False)
-        parts = (NoEPPrepareAndFinalize(), TritonExperts())
         if expert_parallel is not None:
             self.register_buffer("expert_map", expert_parallel.expert_map(e, device), persistent=False)
-            parts = expert_parallel.kernel_parts(e)
-        self.kernel = kernel or FusedMoEModularKernel(*parts)
+        if kernel is None and expert_parallel is not None:
+            kernel = FusedMoEModularKernel(*expert_parallel.kernel_parts(e))
+        self.kernel = kernel or FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
 
     @classmethod
     def from_experts(cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor], topk: int,

@@ -92,6 +92,6 @@ def ep_permute(
     _ep_permute_kernel[grid](
         s, o, counts, offsets, D=d, capacity=capacity, num_local_experts=num_local_experts,
         batch_rows=world * capacity, stride_src=s.stride(0), stride_dst=o.stride(0),
-        BLOCK_R=block_r, BLOCK_D=min(1024, next_power_of_2(max(d, 16))), TO_BATCH=to_batch,
+        BLOCK_R=block_r, BLOCK_D=min(512, next_power_of_2(max(d, 16))), TO_BATCH=to_batch,
     )
     return out

@@ -13,7 +13,7 @@ from tmoe.modular.alltoall import AllToAllPrepareAndFinalize
 from tmoe.modular.distributed import AllGatherPrepareAndFinalize
 from tmoe.modular.experts import BatchedTritonExperts, TritonExperts
 from tmoe.modular.interfaces import FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize
-from tmoe.modular.placement import check_placement, expert_map, shard_experts
+from tmoe.modular.placement import PLACEMENTS, check_placement, expert_map, shard_experts
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 MODES = ("alltoall", "allgather")
@@ -45,7 +45,8 @@ class ExpertParallel:
         object.__setattr__(self, "group", group if isinstance(group, str) else group.group_name)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        check_placement(self.placement, self.world_size, self.world_size)
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.mode == "alltoall":
             positive_int("max_tokens_per_rank", self.max_tokens_per_rank)
 
