@@ -6,15 +6,17 @@ Run with ``python -m tmoe bench-ep [--world-size W]`` (spawns W processes, one G
 or ``torchrun --nproc-per-node W -m tmoe.tools.bench_ep``. World size 1 works (the collectives
 are local copies then). Every rank runs the same fixed iteration count (a timing loop that
 chose its own count could leave ranks waiting on each other); a time is the median over
-iterations of the slowest rank. Bytes per rank per step (``act`` = activation bytes):
+iterations of the slowest rank. Payload per rank per step (``act`` = activation bytes), of
+which the share (W-1)/W crosses links:
 
-* all-gather: dispatch receives (W-1) * M * (K * act + topk * 8), combine reduce-scatters float32
-  partial sums, (W-1) * M * K * 4;
-* all-to-all: dispatch sends (W-1)/W of its E * C * (K * act + scale bytes) buffer, combine
-  returns (W-1)/W of E * C * K * 2 (bf16 outputs); C = the capacity per (rank, expert).
+* all-gather: dispatch gathers W * M * (K * act + topk * 8) (tokens, ids, weights), combine
+  reduce-scatters float32 partial sums, W * M * K * 4;
+* all-to-all: dispatch exchanges its E * C * (K * act + scale bytes) + 4E buffer (C = the
+  capacity per (rank, expert)), combine the E * C * K * 2 bf16 outputs.
 
-``link GB/s`` is bytes / time of that phase; ``of link`` divides it by ``--link-gbps`` (per
-direction; 450 for H200 NVLink 4). At W = 1 nothing crosses a link (bytes 0).
+``link GB/s`` is the cross-link share / the phase's time; ``of link`` divides it by
+``--link-gbps`` (per direction; 450 for H200 NVLink 4). At W = 1 nothing crosses a link.
+The step time is the eager layer call (host time included), dispatch = prepare, combine = finalize.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class Result:
     shape: str
     m: int
     impl: str
+    world: int
     step_us: float
     dispatch_us: float
     combine_us: float
@@ -52,13 +55,12 @@ def capacity_for(m: int, e: int, topk: int, factor: float) -> int:
     return max(1, min(m, math.ceil(factor * m * topk / e)))
 
 
-def traffic(impl: str, m: int, e: int, k: int, topk: int, world: int, capacity: int, act_bytes: int,
-            scale_cols: int) -> tuple[float, float]:
-    """(dispatch, combine) bytes one rank sends or receives across links per step (module docstring)."""
+def payload(impl: str, m: int, e: int, k: int, topk: int, world: int, capacity: int, act_bytes: int,
+            scale_cols: int) -> tuple[int, int]:
+    """(dispatch, combine) bytes one rank's collectives carry per step, its own share included."""
     if impl == "allgather":
-        return (world - 1) * m * (k * act_bytes + topk * 8), (world - 1) * m * k * 4
-    off_rank = (world - 1) / world
-    return off_rank * e * capacity * (k * act_bytes + 4 * scale_cols) + off_rank * 4 * e, off_rank * e * capacity * k * 2
+        return world * m * (k * act_bytes + topk * 8), world * m * k * 4
+    return e * capacity * (k * act_bytes + 4 * scale_cols) + 4 * e, e * capacity * k * 2
 
 
 def _timed(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -87,7 +89,7 @@ def _timed(fn: Callable[[], object], iters: int, warmup: int) -> float:
 
 def bench_one(shape: str, m: int, impl: str, args: argparse.Namespace, device: torch.device) -> Result:
     import tmoe
-    from tmoe.modular import FusedMoEQuantConfig, expert_map, shard_experts
+    from tmoe.modular import FusedMoEQuantConfig, expert_map
 
     e, n, k, topk = SHAPES[shape]
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -126,19 +128,20 @@ def bench_one(shape: str, m: int, impl: str, args: argparse.Namespace, device: t
                                    prepared=prepared, num_local_experts=e_local)
     combine_us = _timed(finalize, args.iters, args.warmup)
     scale_cols = k // 128 if fp8 else 0
-    d_bytes, c_bytes = traffic(impl, m, e, k, topk, world, capacity, 1 if fp8 else 2, scale_cols)
-    return Result(shape, m, impl, step_us, dispatch_us, combine_us, d_bytes, c_bytes, dropped)
+    d_bytes, c_bytes = payload(impl, m, e, k, topk, world, capacity, 1 if fp8 else 2, scale_cols)
+    return Result(shape, m, impl, world, step_us, dispatch_us, combine_us, d_bytes, c_bytes, dropped)
 
 
 def markdown(results: list[Result], link_gbps: float) -> str:
     head = ("| shape | M/rank | impl | step µs | dispatch µs | combine µs | dispatch MB | combine MB | "
             "dispatch link GB/s (of link) | combine link GB/s (of link) | dropped slots/step |")
-    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
     for r in results:
-        bw = [b / (t * 1e-6) / 1e9 if t > 0 else 0.0 for b, t in ((r.dispatch_bytes, r.dispatch_us),
-                                                                  (r.combine_bytes, r.combine_us))]
+        off_rank = (r.world - 1) / r.world
+        bw = [off_rank * b / (t * 1e-6) / 1e9 if t > 0 else 0.0 for b, t in ((r.dispatch_bytes, r.dispatch_us),
+                                                                             (r.combine_bytes, r.combine_us))]
         cells = [r.shape, str(r.m), r.impl, f"{r.step_us:.1f}", f"{r.dispatch_us:.1f}", f"{r.combine_us:.1f}",
-                 f"{r.dispatch_bytes / 1e6:.2f}", f"{r.combine_bytes / 1e6:.2f}",
+                 f"{r.dispatch_bytes / 1e6:.3f}", f"{r.combine_bytes / 1e6:.3f}",
                  *(f"{v:.1f} ({v / link_gbps:.0%})" for v in bw), str(r.dropped)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
