@@ -17,8 +17,9 @@ One step on rank r (W ranks, E experts, E_local = E / W, capacity C per (rank, l
    the top-k slots in float32 (slots dropped or with out-of-range ids contribute exactly zero).
 
 Every shape comes from (E, C, K): no host sync and no data-dependent shape, so with NCCL a step
-captures in a CUDA graph. gloo (CPU tests) has all_to_all_single but no float8 or every dtype,
-so buffers travel as raw bytes (uint8 views) on every backend.
+captures in a CUDA graph. gloo (CPU tests) has all_to_all_single but rejects float8 (and
+int16) tensors ("Invalid scalar type"), so buffers travel as raw bytes (uint8 views) on every
+backend; the collective is byte-agnostic, so this costs nothing on NCCL.
 """
 from __future__ import annotations
 
