@@ -20,8 +20,10 @@ from tmoe.fused import fused_experts  # noqa: E402
 from tmoe.layer import FusedMoE, FusedMoEModularKernel  # noqa: E402
 from tmoe.modular import (  # noqa: E402
     AllGatherPrepareAndFinalize,
+    AllToAllPrepareAndFinalize,
     BatchedPrepareAndFinalize,
     BatchedTritonExperts,
+    ExpertParallel,
     FusedMoEActivationFormat,
     FusedMoEPermuteExpertsUnpermute,
     FusedMoEPrepareAndFinalize,
@@ -40,8 +42,8 @@ from tmoe.weights import (  # noqa: E402
 )
 
 __all__ = [
-    "AllGatherPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoE",
-    "FusedMoEActivationFormat", "FusedMoEModularKernel", "FusedMoEPermuteExpertsUnpermute",
+    "AllGatherPrepareAndFinalize", "AllToAllPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts",
+    "ExpertParallel", "FusedMoE", "FusedMoEActivationFormat", "FusedMoEModularKernel", "FusedMoEPermuteExpertsUnpermute",
     "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "GemmConfig", "MoEConfig", "NoEPPrepareAndFinalize",
     "PrepareResult", "TritonExperts", "fused_experts", "get_config", "moe_align_block_size", "moe_reduce",
     "override_config", "override_route", "per_token_group_quant_fp8", "per_token_quant_fp8",

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m tmoe [demo | bench ... | tune ... | -h]
+USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | tune ... | -h]
 
   demo    (default) a random MoE layer run eager, compiled and (GPU) as a CUDA graph, each
           checked against the float32 reference, with error and time
   bench   the whole-layer benchmark against the roofline and peers (GPU); bench -h for options
+  bench-ep  expert parallelism: all-gather vs all-to-all step, dispatch and combine times and
+          bytes per rank (spawns --world-size processes, NCCL); bench-ep -h for options
   tune    tile-config tuning into vLLM-named JSON tables (GPU); tune -h for options
 """
 
@@ -21,6 +23,10 @@ def main(argv: list[str]) -> int:
         from tmoe.tools.bench import main as bench_main
 
         return bench_main(rest) or 0
+    if command == "bench-ep":
+        from tmoe.tools.bench_ep import main as bench_ep_main
+
+        return bench_ep_main(rest) or 0
     if command == "tune":
         from tmoe.tools.tune import main as tune_main
 

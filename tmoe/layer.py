@@ -12,7 +12,8 @@ from torch import nn
 from tmoe.kernels.checks import positive_int
 from tmoe.fused import takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
-    FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize, TritonExperts,
+    ExpertParallel, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize,
+    TritonExperts,
 )
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.kernel import default_chunk_size
@@ -79,13 +80,19 @@ class FusedMoE(nn.Module):
     Weights: ``router_weight`` (E, hidden) (None when the caller passes ``router_logits``),
     ``w1`` (E, 2 * intermediate, hidden) gate rows then up rows, ``w2`` (E, hidden, intermediate),
     optional ``e_score_correction_bias`` (E,) float32 for sigmoid scoring.
+
+    ``expert_parallel`` (``tmoe.ExpertParallel``): the experts are spread over its process group
+    and this rank holds its E_local = E / W of them: ``w1``/``w2`` are (E_local, ...) in local-id
+    order, the router stays (E, hidden), and the default kernel is the mode's (all-to-all or
+    all-gather). ``from_experts`` takes every expert's weights and keeps this rank's.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, topk: int, *,
                  activation: str = "silu", scoring: str = "softmax", renormalize: bool = True,
                  num_expert_group: int = 0, topk_group: int = 0, routed_scaling_factor: float = 1.0,
                  score_correction_bias: bool = False, router: bool = True, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None, kernel: FusedMoEModularKernel | None = None) -> None:
+                 device: torch.device | str | None = None, kernel: FusedMoEModularKernel | None = None,
+                 expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         e = positive_int("num_experts", num_experts)
         k, n = positive_int("hidden_size", hidden_size), positive_int("intermediate_size", intermediate_size)
@@ -97,8 +104,14 @@ class FusedMoE(nn.Module):
         self.router_weight = nn.Parameter(torch.randn(e, k, **make) / k**0.5, requires_grad=False) if router else None
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(e, device=device), requires_grad=False)
                                         if score_correction_bias else None)
-        self.w1 = nn.Parameter(torch.randn(e, 2 * n, k, **make) / k**0.5, requires_grad=False)
-        self.w2 = nn.Parameter(torch.randn(e, k, n, **make) / n**0.5, requires_grad=False)
+        self.num_experts, self.expert_parallel = e, expert_parallel
+        e_local = e if expert_parallel is None else expert_parallel.num_local_experts(e)
+        self.w1 = nn.Parameter(torch.randn(e_local, 2 * n, k, **make) / k**0.5, requires_grad=False)
+        self.w2 = nn.Parameter(torch.randn(e_local, k, n, **make) / n**0.5, requires_grad=False)
+        if expert_parallel is not None:
+            self.register_buffer("expert_map", expert_parallel.expert_map(e, device), persistent=False)
+        if kernel is None and expert_parallel is not None:
+            kernel = FusedMoEModularKernel(*expert_parallel.kernel_parts(e))
         self.kernel = kernel or FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
 
     @classmethod
@@ -108,9 +121,10 @@ class FusedMoE(nn.Module):
         n, k = gate[0].shape
         layer = cls(len(gate), k, n, topk, router=router_weight is not None, dtype=gate[0].dtype,
                     device=gate[0].device, **kwargs)
+        shard = layer.expert_parallel.shard if layer.expert_parallel is not None else (lambda t: t)
         with torch.no_grad():
-            layer.w1.copy_(torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gate, up)]))
-            layer.w2.copy_(torch.stack(down))
+            layer.w1.copy_(shard(torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gate, up)])))
+            layer.w2.copy_(shard(torch.stack(down)))
             if router_weight is not None:
                 layer.router_weight.copy_(router_weight)
         return layer
@@ -127,8 +141,11 @@ class FusedMoE(nn.Module):
             if self.router_weight is None:
                 raise ValueError("router_logits must be given to a FusedMoE built without a router")
             router_logits = F.linear(x, self.router_weight)
-        elif router_logits.dim() != 2 or router_logits.shape[-1] != self.w1.shape[0]:
-            raise ValueError(f"router_logits must be (tokens, num_experts={self.w1.shape[0]}), "
+        elif router_logits.dim() != 2 or router_logits.shape[-1] != self.num_experts:
+            raise ValueError(f"router_logits must be (tokens, num_experts={self.num_experts}), "
                              f"got shape {tuple(router_logits.shape)}")
         weights, ids = self.route(router_logits)
-        return self.kernel(x, self.w1, self.w2, weights, ids, activation=self.activation).view(hidden_states.shape)
+        ep = {} if self.expert_parallel is None else {"global_num_experts": self.num_experts,
+                                                       "expert_map": self.expert_map}
+        out = self.kernel(x, self.w1, self.w2, weights, ids, activation=self.activation, **ep)
+        return out.view(hidden_states.shape)

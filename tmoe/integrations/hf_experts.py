@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from tmoe import FusedMoEModularKernel, NoEPPrepareAndFinalize, TritonExperts
+from tmoe import ExpertParallel, FusedMoEModularKernel, NoEPPrepareAndFinalize, TritonExperts
 
 # Hugging Face activation names whose module computes one of tmoe's gate activations.
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu",
@@ -144,10 +144,11 @@ class TmoeExperts(nn.Module):
 
     forward(hidden_states (..., H), top_k_index (T, k), top_k_weights (T, k)) -> (..., H), with
     T the number of rows of hidden_states: the call signature of transformers' ``*Experts``.
-    ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) are in tmoe's layout.
+    ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) are in tmoe's layout; with
+    ``expert_parallel`` they (and the biases) hold this rank's E_local experts only.
     """
 
-    def __init__(self, experts: nn.Module) -> None:
+    def __init__(self, experts: nn.Module, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         spec = SUPPORTED_EXPERTS[type(experts).__name__]
         self.activation = "swigluoai" if spec.swigluoai else _tmoe_activation(_act_fn(experts, spec))
@@ -166,7 +167,18 @@ class TmoeExperts(nn.Module):
             b1 = experts.gate_up_proj_bias
             self.gate_up_proj_bias = _frozen(torch.cat([b1[:, 0::2], b1[:, 1::2]], 1)) if spec.interleaved else b1
             self.down_proj_bias = experts.down_proj_bias
-        self.kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
+        self.ep_options = {}
+        parts = (NoEPPrepareAndFinalize(), TritonExperts())
+        if expert_parallel is not None:
+            e = self.gate_up_proj.shape[0]
+            for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+                t = getattr(self, name)
+                setattr(self, name, None if t is None else _frozen(expert_parallel.shard(t)))
+            self.register_buffer("expert_map", expert_parallel.expert_map(e, self.gate_up_proj.device),
+                                 persistent=False)
+            self.ep_options = {"global_num_experts": e, "expert_map": self.expert_map}
+            parts = expert_parallel.kernel_parts(e)
+        self.kernel = FusedMoEModularKernel(*parts)
 
     def run(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             weight_on_input: bool = False) -> torch.Tensor:
@@ -174,7 +186,8 @@ class TmoeExperts(nn.Module):
         expert's input instead of its output (then k must be 1)."""
         return self.kernel(x.contiguous(), self.gate_up_proj, self.down_proj, top_k_weights.float().contiguous(),
                            top_k_index.contiguous(), activation=self.activation, w1_bias=self.gate_up_proj_bias,
-                           w2_bias=self.down_proj_bias, apply_router_weight_on_input=weight_on_input)
+                           w2_bias=self.down_proj_bias, apply_router_weight_on_input=weight_on_input,
+                           **self.ep_options)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -188,11 +201,11 @@ class TmoeLlama4TextMoe(nn.Module):
     expert) pair is one row scaled on input, and a token's k rows are summed. The block's router
     and shared expert are kept. forward(hidden_states (..., H)) -> ((T, H), router_logits (T, E))."""
 
-    def __init__(self, block: nn.Module) -> None:
+    def __init__(self, block: nn.Module, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         self.top_k, self.hidden_dim = block.top_k, block.hidden_dim
         self.router, self.shared_expert = block.router, block.shared_expert
-        self.experts = TmoeExperts(block.experts)
+        self.experts = TmoeExperts(block.experts, expert_parallel)
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = hidden_states.reshape(-1, self.hidden_dim)  # [T, H]

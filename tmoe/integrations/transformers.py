@@ -15,6 +15,7 @@ import warnings
 import transformers
 from torch import nn
 
+from tmoe import ExpertParallel
 from tmoe.integrations.hf_experts import SUPPORTED_EXPERTS, TmoeExperts, TmoeLlama4TextMoe, unsupported_reason
 
 __all__ = ["SUPPORTED_EXPERTS", "TmoeExperts", "TmoeLlama4TextMoe", "replace_moe_blocks"]
@@ -41,14 +42,14 @@ def _looks_like_experts(name: str, module: nn.Module) -> bool:
         attr == "experts" and isinstance(module, (nn.ModuleList, nn.ModuleDict)))
 
 
-def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+def _swap(model: nn.Module, name: str, module: nn.Module, expert_parallel: ExpertParallel | None) -> None:
     if type(module).__name__ == "Llama4TextExperts":  # the block, not the experts, takes the routing
         name = name.rpartition(".")[0]
         module, make = model.get_submodule(name), TmoeLlama4TextMoe
     else:
         make = TmoeExperts
     parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, make(module))
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, make(module, expert_parallel))
 
 
 def _report(model: nn.Module, left: dict[str, list[str]]) -> str:
@@ -61,13 +62,16 @@ def _report(model: nn.Module, left: dict[str, list[str]]) -> str:
             + f"\ntmoe supports: {supported}")
 
 
-def replace_moe_blocks(model: nn.Module, strict: bool = False) -> int:
+def replace_moe_blocks(model: nn.Module, strict: bool = False, expert_parallel: ExpertParallel | None = None) -> int:
     """Replace every supported experts module of ``model`` in place; returns how many.
 
     Every routed-experts module left in place (an unknown class, a 4.x ``ModuleList``, an
     activation or clamp tmoe lacks) is named in one warning with the reason, as is a model
     without MoE layers; ``strict=True`` raises ValueError instead. Raises RuntimeError on
-    transformers older than ``MIN_TRANSFORMERS`` (4.x stores experts as per-expert modules). Example::
+    transformers older than ``MIN_TRANSFORMERS`` (4.x stores experts as per-expert modules).
+    ``expert_parallel`` (``tmoe.ExpertParallel``): every swapped module keeps only this rank's
+    experts (its placement) and runs the mode's expert-parallel kernel (Llama4, which scales
+    inputs by router weight, needs mode "allgather"). Example::
 
         model = transformers.AutoModelForCausalLM.from_pretrained("allenai/OLMoE-1B-7B-0924")
         replace_moe_blocks(model, strict=True)
@@ -90,5 +94,5 @@ def replace_moe_blocks(model: nn.Module, strict: bool = False) -> int:
             raise ValueError(_report(model, left))
         warnings.warn(_report(model, left), stacklevel=2)
     for name, module in targets:
-        _swap(model, name, module)
+        _swap(model, name, module, expert_parallel)
     return len(targets)

@@ -1,18 +1,22 @@
 """The modular MoE kernel: interfaces, their Triton implementations, expert parallelism, and the
 composition as a value (``KernelSpec`` -> ``ModularKernel``). No torch.library here: the layer
 op in ``tmoe.ops`` rebuilds a ModularKernel from its spec."""
+from tmoe.modular.alltoall import AllToAllPrepareAndFinalize
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.distributed import AllGatherPrepareAndFinalize
 from tmoe.modular.experts import BatchedTritonExperts, TritonExperts
+from tmoe.modular.expert_parallel import ExpertParallel
 from tmoe.modular.interfaces import (
     FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, PrepareResult,
 )
 from tmoe.modular.kernel import KernelSpec, ModularKernel, build
+from tmoe.modular.placement import PLACEMENTS, expert_map, local_expert_ids, shard_experts
 from tmoe.modular.prepare_finalize import BatchedPrepareAndFinalize, NoEPPrepareAndFinalize
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 __all__ = [
-    "AllGatherPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts", "FusedMoEActivationFormat",
-    "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "KernelSpec",
-    "LayerArgs", "ModularKernel", "NoEPPrepareAndFinalize", "PrepareResult", "TritonExperts", "build",
+    "AllGatherPrepareAndFinalize", "AllToAllPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts",
+    "ExpertParallel", "FusedMoEActivationFormat", "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize",
+    "FusedMoEQuantConfig", "KernelSpec", "LayerArgs", "ModularKernel", "NoEPPrepareAndFinalize", "PLACEMENTS",
+    "PrepareResult", "TritonExperts", "build", "expert_map", "local_expert_ids", "shard_experts",
 ]

@@ -103,6 +103,11 @@ class FusedMoEPrepareAndFinalize(ABC):
     def max_num_tokens_per_rank(self) -> int | None:
         return None
 
+    def runs_with_no_tokens(self) -> bool:
+        """Whether prepare/finalize must run on a call with 0 tokens (every rank takes part in
+        their collectives each step); otherwise such a call returns at once."""
+        return False
+
     def check_local_experts(self, num_local_experts: int) -> None:
         """Raise unless this PrepareAndFinalize can feed ``num_local_experts`` experts (w1.shape[0])."""
 

@@ -134,10 +134,10 @@ class ModularKernel:
             self._plans[key] = plan
         check_static_scales(args)
         m, chunk = plan.m, plan.chunk
-        if m == 0:
+        if m == 0 and not self.prepare_finalize.runs_with_no_tokens():
             return output
         x = args.hidden_states
-        if m <= chunk:  # one chunk: the workspaces in their shapes, no slicing
+        if m <= chunk:  # one chunk (an empty one when a collective prepare/finalize must run): no slicing
             self._run_chunk(output, args, x, args.topk_ids, args.topk_weights, plan,
                             torch.empty(plan.ws13, dtype=x.dtype, device=x.device),
                             torch.empty(plan.ws2, dtype=x.dtype, device=x.device), plan.out)
