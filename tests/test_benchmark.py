@@ -219,3 +219,18 @@ def test_scaled_grouped_mm_setup_failure_is_reported(monkeypatch):
     w1, w2 = torch.randn(2, 32, 16, dtype=torch.bfloat16), torch.randn(2, 16, 16, dtype=torch.bfloat16)
     (p,) = peers.providers("fp8_block", w1, w2, ("scaled_grouped_mm",))
     assert p.name == "scaled_grouped_mm" and bm.guarded(lambda: p.fn(None)) == "MemoryError"
+
+
+def test_read_ceiling_kernel_reads_every_element_once():
+    x = torch.randn(3 * peers._READ_BLOCK * peers._READ_TILES + 5)
+    partials = torch.empty(-(-x.numel() // (peers._READ_BLOCK * peers._READ_TILES)))
+    peers._stream_read(x, partials)
+    assert torch.allclose(partials.sum(), x.sum(), rtol=1e-4, atol=1e-2)
+
+
+def test_ceilings_line_names_the_best_and_every_trial():
+    c = peers.Ceilings(4.2e12, 4.6e12, 7.9e14, 1.4e15, {"copy": (4.1e12, 4.2e12), "read": (4.6e12, 4.5e12),
+                                                  "bf16": (7.8e14, 7.9e14), "fp8": (1.3e15, 1.4e15)}, "note")
+    line = c.describe()
+    assert "copy 4.20 TB/s, read 4.60 TB/s, bf16 matmul 790 TFLOP/s, fp8 matmul 1400 TFLOP/s" in line
+    assert "best of 2" in line and "copy 4.10, 4.20" in line and "fp8 1300.00, 1400.00" in line

@@ -314,8 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stages and args.dtype != "bf16":
         print("# --stages times bf16 only: skipped", flush=True)
     ceil = peers.measure_ceilings(with_fp8=args.dtype != "bf16")
-    ceil_text = (f"copy {ceil.copy_bw / 1e12:.2f} TB/s, bf16 matmul {ceil.bf16_flops / 1e12:.0f} TFLOP/s, "
-                 f"fp8 matmul {ceil.fp8_flops / 1e12:.0f} TFLOP/s ({ceil.note})")
+    ceil_text = ceil.describe()
     print(f"# ceilings: {ceil_text}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.dtype == "bf16" else f"_{args.dtype}"
