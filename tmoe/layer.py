@@ -10,11 +10,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tmoe.kernels.checks import positive_int
+from tmoe.kernels.common import w1_rows_per_n
 from tmoe.fused import takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
     FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize, TritonExperts,
 )
 from tmoe.modular.call import LayerArgs
+from tmoe.modular.checks import check_activation
 from tmoe.modular.kernel import default_chunk_size
 
 
@@ -77,39 +79,52 @@ class FusedMoE(nn.Module):
     """An MoE block: out = sum_t w_t * expert_{e_t}(x) with (w, e) = topk_route(x @ router.T).
 
     Weights: ``router_weight`` (E, hidden) (None when the caller passes ``router_logits``),
-    ``w1`` (E, 2 * intermediate, hidden) gate rows then up rows, ``w2`` (E, hidden, intermediate),
-    optional ``e_score_correction_bias`` (E,) float32 for sigmoid scoring.
+    ``w1`` (E, 2 * intermediate, hidden) gate rows then up rows (``gate_up_interleaved``: alternating;
+    a *_no_mul ``activation``: (E, intermediate, hidden)), ``w2`` (E, hidden, intermediate),
+    optional ``e_score_correction_bias`` (E,) float32 for sigmoid scoring. ``swiglu_alpha`` and
+    ``swiglu_limit``: the activation's floats (``tmoe.modular.LayerArgs``).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, topk: int, *,
                  activation: str = "silu", scoring: str = "softmax", renormalize: bool = True,
                  num_expert_group: int = 0, topk_group: int = 0, routed_scaling_factor: float = 1.0,
                  score_correction_bias: bool = False, router: bool = True, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None, kernel: FusedMoEModularKernel | None = None) -> None:
+                 device: torch.device | str | None = None, kernel: FusedMoEModularKernel | None = None,
+                 swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
+                 gate_up_interleaved: bool = False) -> None:
         super().__init__()
         e = positive_int("num_experts", num_experts)
         k, n = positive_int("hidden_size", hidden_size), positive_int("intermediate_size", intermediate_size)
         if not 1 <= positive_int("topk", topk) <= e:
             raise ValueError(f"topk must be in [1, num_experts={e}], got {topk}")
+        check_activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
         self.activation = activation
+        self.act_options = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                                gate_up_interleaved=gate_up_interleaved)
         self.routing = RouterConfig(topk, scoring, renormalize, num_expert_group, topk_group, routed_scaling_factor)
         make = dict(dtype=dtype, device=device)
         self.router_weight = nn.Parameter(torch.randn(e, k, **make) / k**0.5, requires_grad=False) if router else None
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(e, device=device), requires_grad=False)
                                         if score_correction_bias else None)
-        self.w1 = nn.Parameter(torch.randn(e, 2 * n, k, **make) / k**0.5, requires_grad=False)
+        self.w1 = nn.Parameter(torch.randn(e, w1_rows_per_n(activation) * n, k, **make) / k**0.5, requires_grad=False)
         self.w2 = nn.Parameter(torch.randn(e, k, n, **make) / n**0.5, requires_grad=False)
         self.kernel = kernel or FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
 
     @classmethod
     def from_experts(cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor], topk: int,
                      router_weight: torch.Tensor | None = None, **kwargs) -> "FusedMoE":
-        """Build from per-expert linear weights: gate/up (intermediate, hidden), down (hidden, intermediate)."""
+        """Build from per-expert linear weights: gate/up (intermediate, hidden), down (hidden,
+        intermediate); ``up`` empty for a *_no_mul activation (``gate`` is then the up projection)."""
         n, k = gate[0].shape
         layer = cls(len(gate), k, n, topk, router=router_weight is not None, dtype=gate[0].dtype,
                     device=gate[0].device, **kwargs)
         with torch.no_grad():
-            layer.w1.copy_(torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gate, up)]))
+            if not up:
+                layer.w1.copy_(torch.stack(gate))
+            elif layer.act_options["gate_up_interleaved"]:
+                layer.w1.copy_(torch.stack([torch.stack([g, u], dim=1).reshape(2 * n, k) for g, u in zip(gate, up)]))
+            else:
+                layer.w1.copy_(torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gate, up)]))
             layer.w2.copy_(torch.stack(down))
             if router_weight is not None:
                 layer.router_weight.copy_(router_weight)
@@ -131,4 +146,5 @@ class FusedMoE(nn.Module):
             raise ValueError(f"router_logits must be (tokens, num_experts={self.w1.shape[0]}), "
                              f"got shape {tuple(router_logits.shape)}")
         weights, ids = self.route(router_logits)
-        return self.kernel(x, self.w1, self.w2, weights, ids, activation=self.activation).view(hidden_states.shape)
+        return self.kernel(x, self.w1, self.w2, weights, ids, activation=self.activation,
+                           **self.act_options).view(hidden_states.shape)

@@ -6,6 +6,13 @@ from typing import NamedTuple
 
 import torch
 
+RuntimeFloat = float
+"""A float the layer op takes as a ``Scalar`` schema argument and the kernels as a plain (never
+specialised) float argument: a new value compiles no new kernel. Under torch.compile, dynamo keeps
+it symbolic with backend="eager"; an AOT backend (inductor, aot_eager) specialises a float that
+reaches a custom op, so there a new value retraces the graph once (guard ``value == v``), as a
+``float`` schema argument would under every backend."""
+
 
 class LayerArgs(NamedTuple):
     """One layer call, in the layer op's argument order.
@@ -40,13 +47,14 @@ class LayerArgs(NamedTuple):
     apply_router_weight_on_input: bool = False
     w1_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
-    swiglu_alpha: float | None = None
-    swiglu_limit: float | None = None
+    swiglu_alpha: RuntimeFloat | None = None
+    swiglu_limit: RuntimeFloat | None = None
     gate_up_interleaved: bool = False
 
 
 _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "int": "int",
-                 "bool": "bool", "float": "float", "float | None": "float?"}
+                 "bool": "bool", "float": "float", "float | None": "float?",
+                 "RuntimeFloat | None": "Scalar?"}
 
 
 def layer_schema(mutable_first: bool = False) -> str:

@@ -33,7 +33,7 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
             raise TypeError(f"{name} has dtype {w.dtype}, expected {weight_dtype} ({why})")
         if quant.quant_dtype is not None and getattr(args, scale_name) is None:
             raise ValueError(f"fp8 experts need {scale_name}")
-    check_activation(args)
+    check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
     m, k = x.shape
     e, rows, k1 = w1.shape
     per_n = w1_rows_per_n(args.activation)
@@ -75,14 +75,14 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
                              f"and the intermediate size N={n}")
 
 
-def check_activation(args: LayerArgs) -> None:
+def check_activation(act: str, swiglu_alpha: float | None, swiglu_limit: float | None,
+                     gate_up_interleaved: bool) -> None:
     """The activation and its options: a known name; ``swiglu_alpha`` only with swigluoai (finite);
     ``swiglu_limit`` only with silu or swigluoai (> 0); ``gate_up_interleaved`` only when gated."""
-    act = args.activation
     if act not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {act!r}")
-    for name, acts in (("swiglu_alpha", ("swigluoai",)), ("swiglu_limit", ("silu", "swigluoai"))):
-        value = getattr(args, name)
+    for name, value, acts in (("swiglu_alpha", swiglu_alpha, ("swigluoai",)),
+                              ("swiglu_limit", swiglu_limit, ("silu", "swigluoai"))):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymFloat, torch.SymInt)):
@@ -93,7 +93,7 @@ def check_activation(args: LayerArgs) -> None:
             raise ValueError(f"swiglu_alpha must be finite, got {value}")
         if name == "swiglu_limit" and isinstance(value, (int, float)) and not value > 0:
             raise ValueError(f"swiglu_limit must be > 0, got {value}")
-    if args.gate_up_interleaved and w1_rows_per_n(act) != 2:
+    if gate_up_interleaved and w1_rows_per_n(act) != 2:
         raise ValueError(f"gate_up_interleaved needs a gated activation (w1 with gate and up rows), not {act!r}")
 
 
