@@ -75,8 +75,9 @@ def fused_experts(
 
     Args:
         hidden_states: (M, K) float16/bfloat16/float32.
-        w1: (E, 2N, K), gate rows then up rows ((E, N, K) for a *_no_mul activation); w2: (E, K, N). Same dtype as hidden_states, or
-            float8_e4m3fn with ``quant_config`` and ``w1_scale``/``w2_scale``.
+        w1: (E, 2N, K), gate rows then up rows ((E, N, K) for a *_no_mul activation); w2:
+            (E, K, N). Same dtype as hidden_states, or float8_e4m3fn with ``quant_config`` and
+            ``w1_scale``/``w2_scale``.
         topk_weights: (M, topk) float32; topk_ids: (M, topk) int32/int64. Ids outside
             [0, E) contribute exactly 0.
         inplace: write the result into ``hidden_states`` (refused if it requires grad).
@@ -85,8 +86,9 @@ def fused_experts(
             "gelu", "gelu_tanh", "swigluoai"; non-gated: "silu_no_mul", "gelu_no_mul",
             "relu2_no_mul"), ``swiglu_alpha``/``swiglu_limit`` (swigluoai's alpha and limit,
             default 1.702 and 7.0; a limit on silu clamps it: min(silu(gate), L) * clamp(up, -L, L)),
-            ``gate_up_interleaved`` (w1 rows alternate gate, up: GPT-OSS's layout), ``global_num_experts`` and ``expert_map`` (expert
-            parallelism: (E_global,) int32, global id to local id or -1), ``w1_scale``/``w2_scale``,
+            ``gate_up_interleaved`` (w1 rows alternate gate, up: GPT-OSS's layout),
+            ``global_num_experts`` and ``expert_map`` (expert parallelism: (E_global,) int32, global
+            id to local id or -1), ``w1_scale``/``w2_scale``,
             ``a1_scale``/``a2_scale`` (static per-tensor fp8 activation scales),
             ``apply_router_weight_on_input`` (topk == 1), ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K).
 

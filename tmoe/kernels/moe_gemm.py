@@ -33,7 +33,8 @@ FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_gemm_kernel(
     a_ptr,  # Standard: [rows, K]; Batched: [E, cap, K]
-    w_ptr,  # [E, N_w, K]: N_w = 2N when MUL (gate rows then up rows; INTERLEAVED: row 2j gate j, 2j + 1 up j), else N; W_DESC: its TMA descriptor
+    w_ptr,  # [E, N_w, K]: N_w = 2N when MUL (gate rows, up rows; INTERLEAVED: 2j gate j, 2j + 1 up j), else N
+    # (W_DESC: its TMA descriptor)
     out_ptr,  # Standard: [num_slots, N]; Batched: [E, cap, N]
     a_scale_ptr,  # [rows, K // GROUP_K] (zero strides broadcast per-tensor scales)
     w_scale_ptr,  # [E, N_w // GROUP_N, K // GROUP_K]

@@ -45,8 +45,8 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
                          f"{tuple(w1.shape)}")
     n = rows // per_n
     if w2.shape[2] * per_n != rows:
-        raise ValueError(f"w1 must be (E, {rows_name}, K) for activation {args.activation!r}: w2 (E, K, N={w2.shape[2]}) "
-                         f"needs {w2.shape[2] * per_n} rows of w1, got {rows}")
+        raise ValueError(f"w1 must be (E, {rows_name}, K) for activation {args.activation!r}: "
+                         f"w2 (E, K, N={w2.shape[2]}) needs {w2.shape[2] * per_n} rows of w1, got {rows}")
     check_shape("w2", w2, (e, k, n))
     check_tensor("topk_ids", args.topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=dev, contiguous=True)
     check_tensor("topk_weights", args.topk_weights, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
