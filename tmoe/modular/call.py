@@ -22,14 +22,15 @@ class LayerArgs(NamedTuple):
     ``activation``: gated act(gate) * up: silu, gelu, gelu_tanh, swigluoai (GPT-OSS:
     clamp(gate, max=limit) * sigmoid(alpha * gate) * (clamp(up, -limit, limit) + 1)); non-gated
     act(h): silu_no_mul, gelu_no_mul, relu2_no_mul (relu(h)^2). ``global_num_experts`` (-1: E)
-    with ``expert_map`` (E_global,) int32, global id to local id or -1. fp8: ``w1_scale``/``w2_scale``
-    weight scales, ``a1_scale``/``a2_scale`` static per-tensor activation scales (None: dynamic).
-    ``apply_router_weight_on_input`` scales the input (topk == 1). ``w1_bias`` (E, 2N) /
-    ``w2_bias`` (E, K): expert biases, w1_bias in w1's row order. ``swiglu_alpha`` (swigluoai only; None: 1.702) and ``swiglu_limit`` (swigluoai,
-    None: 7.0; silu, None: no clamp, else the clamped silu min(silu(gate), limit) *
-    clamp(up, -limit, limit)): runtime floats, a new value compiles no new kernel.
-    ``gate_up_interleaved``: w1's rows (and w1_bias) alternate gate and up (row 2j gate j, row
-    2j + 1 up j; GPT-OSS's layout) instead of gate rows then up rows.
+    with ``expert_map`` (E_global,) int32, global id to local id or -1. fp8:
+    ``w1_scale``/``w2_scale`` weight scales, ``a1_scale``/``a2_scale`` static per-tensor
+    activation scales (None: dynamic). ``apply_router_weight_on_input`` scales the input
+    (topk == 1). ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K): expert biases, w1_bias in w1's row
+    order. ``swiglu_alpha`` (swigluoai only; None: 1.702) and ``swiglu_limit`` (swigluoai, None:
+    7.0; silu, None: no clamp, else the clamped silu min(silu(gate), limit) * clamp(up, -limit,
+    limit)): runtime floats, a new value compiles no new kernel. ``gate_up_interleaved``: w1's
+    rows (and w1_bias) alternate gate and up (row 2j gate j, row 2j + 1 up j; GPT-OSS's layout)
+    instead of gate rows then up rows.
     """
 
     hidden_states: torch.Tensor
