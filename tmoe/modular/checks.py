@@ -3,11 +3,11 @@ shapes, dtypes and devices, so the same function serves the eager op and its fak
 tensors a dimension check becomes an equality guard, never a data-dependent branch)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-import math
-
 from tmoe.kernels.common import ACTIVATIONS, w1_rows_per_n
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig
@@ -37,16 +37,15 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
     m, k = x.shape
     e, rows, k1 = w1.shape
     per_n = w1_rows_per_n(args.activation)
-    rows_name = "2N" if per_n == 2 else "N"
     if rows % per_n:
         raise ValueError(f"w1 must be (E, 2N, K) with gate rows and up rows; got {rows} rows")
     if k1 != k:
-        raise ValueError(f"w1 must be (E, {rows_name}, K={k}) to match hidden_states (M, K={k}); got shape "
+        raise ValueError(f"w1 must be (E, {'2N' if per_n == 2 else 'N'}, K={k}) to match hidden_states (M, K={k}); got shape "
                          f"{tuple(w1.shape)}")
     n = rows // per_n
-    if w2.shape[2] * per_n != rows:
-        raise ValueError(f"w1 must be (E, {rows_name}, K) for activation {args.activation!r}: "
-                         f"w2 (E, K, N={w2.shape[2]}) needs {w2.shape[2] * per_n} rows of w1, got {rows}")
+    if per_n == 1 and w2.shape[2] * 2 == rows:  # gate and up rows for a non-gated activation
+        raise ValueError(f"w1 must be (E, N, K) for activation {args.activation!r}: w2 (E, K, N={w2.shape[2]}) "
+                         f"needs {w2.shape[2]} rows of w1, got {rows}")
     check_shape("w2", w2, (e, k, n))
     check_tensor("topk_ids", args.topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=dev, contiguous=True)
     check_tensor("topk_weights", args.topk_weights, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
