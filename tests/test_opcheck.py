@@ -20,7 +20,12 @@ def _cases():
     inter = torch.randn(9 * 2, 64, device=DEVICE)
     y = torch.randn(9, 2, 72, device=DEVICE)
     b1, b2 = torch.randn(4, 128, device=DEVICE), torch.randn(4, 72, device=DEVICE)
-    layer = (p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, "silu", -1, None, None, None, None, None, False, b1, b2)
+    layer = (p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, "silu", -1, None, None, None, None, None, False, b1, b2,
+             None, None, False)
+    oai = (*layer[:5], "swigluoai", *layer[6:15], 1.3, 0.5, True)  # alpha, limit, interleaved gate/up rows
+    w1n = p.w1[:, :64].contiguous()  # (E, N, K) for a non-gated activation
+    relu2 = (p.x, w1n, p.w2, p.topk_weights, p.topk_ids, "relu2_no_mul", *layer[6:13], b1[:, :64].contiguous(), b2,
+             None, None, False)
     noep = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts()).spec.as_args()
     batched = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(18, 4), tmoe.BatchedTritonExperts(18),
                                          chunk_size=4).spec.as_args()
@@ -28,11 +33,17 @@ def _cases():
         "moe_align_block_size": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, None)),
         "moe_align_block_size_map": (torch.ops.tmoe.moe_align_block_size, (p.topk_ids, 16, 4, emap, 2)),
         "moe_gemm_up": (torch.ops.tmoe.moe_gemm_up, (p.x, p.w1, *align, 2, 16, "gelu")),
+        "moe_gemm_up_no_mul": (torch.ops.tmoe.moe_gemm_up, (p.x, w1n, *align, 2, 16, "gelu_no_mul")),
+        "moe_gemm_up_swigluoai": (torch.ops.tmoe.moe_gemm_up, (p.x, p.w1, *align, 2, 16, "swigluoai", None, None,
+                                                               None, None, None, 1.3, 0.5, True)),
         "moe_gemm_down": (torch.ops.tmoe.moe_gemm_down, (inter, p.w2, *align, 2, 16, p.topk_weights)),
         "moe_reduce": (torch.ops.tmoe.moe_reduce, (y, p.topk_ids, 4, p.topk_weights, None)),
         "modular_forward": (torch.ops.tmoe.modular_forward, (*layer, *noep)),
         "modular_forward_": (torch.ops.tmoe.modular_forward_, (p.x.clone(), *layer[1:], *noep)),
         "modular_forward_batched": (torch.ops.tmoe.modular_forward, (*layer, *batched)),
+        "modular_forward_swigluoai": (torch.ops.tmoe.modular_forward, (*oai, *noep)),
+        "modular_forward_no_mul": (torch.ops.tmoe.modular_forward, (*relu2, *noep)),
+        "modular_forward_no_mul_batched": (torch.ops.tmoe.modular_forward, (*relu2, *batched)),
         "topk_route": (torch.ops.tmoe.topk_route, (torch.randn(9, 4, device=DEVICE), 2)),
     }
 

@@ -176,10 +176,19 @@ def _stock_experts(model, name):
     return [m for m in model.modules() if type(m).__name__ == FAMILIES[name].experts]
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+# Clamped gating with values other than the defaults: tmoe takes them as runtime floats.
+CLAMPED = {"gpt_oss_alpha_limit": ("gpt_oss", dict(swiglu_limit=0.3)),
+           "step3p7_text_limit": ("step3p7_text", dict(swiglu_limits=[0.05]))}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES) + sorted(CLAMPED))
 def test_family_matches_stock(name):
     """Logits (or the text model's hidden states) and greedy tokens equal stock's after the swap."""
-    model = _model(name)
+    name, overrides = CLAMPED.get(name, (name, {}))
+    model = _model(name, **overrides)
+    if name == "gpt_oss" and overrides:
+        for m in _stock_experts(model, name):
+            m.alpha = 1.2
     tokens = torch.randint(3, VOCAB, (1, 6), device=DEVICE)
     generates = isinstance(model, transformers.GenerationMixin)
     with torch.no_grad():
@@ -206,8 +215,7 @@ def test_second_swap_is_a_silent_no_op(name):
 
 UNSUPPORTED = [  # (family, config overrides, what the warning says about its experts)
     ("mixtral", dict(hidden_act="relu"), "MixtralExperts: activation ReLU is not one of tmoe's"),
-    ("gpt_oss", dict(swiglu_limit=5.0), "GptOssExperts: swigluoai is built for (alpha, limit)=(1.702, 7.0)"),
-    ("step3p7_text", dict(swiglu_limits=[5.0]), "Step3p7Experts: clamps the activated gate (limit=5.0)"),
+    ("gpt_oss", dict(swiglu_limit=-1.0), "GptOssExperts: swigluoai needs a finite alpha and a positive finite limit"),
 ]
 
 
@@ -220,6 +228,15 @@ def test_unsupported_configuration_is_reported(name, overrides, message):
     with pytest.warns(UserWarning, match=re.escape(message)):
         assert replace_moe_blocks(model) == 0
     assert len(_stock_experts(model, name)) == 1
+
+
+def test_clamped_non_silu_gate_is_reported():
+    """tmoe clamps a silu gate only (Step3p7 forces silu; a gelu gate is set by hand here)."""
+    model = _model("step3p7_text", swiglu_limits=[5.0])
+    for experts in _stock_experts(model, "step3p7_text"):
+        experts.act_fn = transformers.activations.ACT2FN["gelu"]
+    with pytest.raises(ValueError, match=re.escape("Step3p7Experts: clamps the activated gate (limit=5.0) of a gelu")):
+        replace_moe_blocks(model, strict=True)
 
 
 def test_unknown_experts_class_warns_and_strict_raises():

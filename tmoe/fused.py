@@ -70,19 +70,25 @@ def fused_experts(
     quant_config: FusedMoEQuantConfig | None = None,
     **options,
 ) -> torch.Tensor:
-    """out[m] = sum_t topk_weights[m, t] * w2[e] @ (act(w1[e, :N] @ x[m]) * (w1[e, N:] @ x[m])), e = topk_ids[m, t].
+    """out[m] = sum_t topk_weights[m, t] * w2[e] @ (act(w1[e, :N] @ x[m]) * (w1[e, N:] @ x[m])), e = topk_ids[m, t]
+    (a *_no_mul activation: w2[e] @ act(w1[e] @ x[m])).
 
     Args:
         hidden_states: (M, K) float16/bfloat16/float32.
-        w1: (E, 2N, K), gate rows then up rows; w2: (E, K, N). Same dtype as hidden_states, or
-            float8_e4m3fn with ``quant_config`` and ``w1_scale``/``w2_scale``.
+        w1: (E, 2N, K), gate rows then up rows ((E, N, K) for a *_no_mul activation); w2:
+            (E, K, N). Same dtype as hidden_states, or float8_e4m3fn with ``quant_config`` and
+            ``w1_scale``/``w2_scale``.
         topk_weights: (M, topk) float32; topk_ids: (M, topk) int32/int64. Ids outside
             [0, E) contribute exactly 0.
         inplace: write the result into ``hidden_states`` (refused if it requires grad).
         quant_config: ``tmoe.FusedMoEQuantConfig`` (fp8 schemes); None: unquantized.
-        **options: the other fields of ``tmoe.modular.LayerArgs``: ``activation`` ("silu",
-            "gelu", "gelu_tanh", "swigluoai"), ``global_num_experts`` and ``expert_map`` (expert
-            parallelism: (E_global,) int32, global id to local id or -1), ``w1_scale``/``w2_scale``,
+        **options: the other fields of ``tmoe.modular.LayerArgs``: ``activation`` (gated: "silu",
+            "gelu", "gelu_tanh", "swigluoai"; non-gated: "silu_no_mul", "gelu_no_mul",
+            "relu2_no_mul"), ``swiglu_alpha``/``swiglu_limit`` (swigluoai's alpha and limit,
+            default 1.702 and 7.0; a limit on silu clamps it: min(silu(gate), L) * clamp(up, -L, L)),
+            ``gate_up_interleaved`` (w1 rows alternate gate, up: GPT-OSS's layout),
+            ``global_num_experts`` and ``expert_map`` (expert parallelism: (E_global,) int32, global
+            id to local id or -1), ``w1_scale``/``w2_scale``,
             ``a1_scale``/``a2_scale`` (static per-tensor fp8 activation scales),
             ``apply_router_weight_on_input`` (topk == 1), ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K).
 

@@ -10,12 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tmoe.kernels.checks import positive_int
+from tmoe.kernels.common import w1_rows_per_n
 from tmoe.fused import takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
     ExpertParallel, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize,
     TritonExperts,
 )
 from tmoe.modular.call import LayerArgs
+from tmoe.modular.checks import check_activation
 from tmoe.modular.kernel import default_chunk_size
 
 
@@ -78,8 +80,10 @@ class FusedMoE(nn.Module):
     """An MoE block: out = sum_t w_t * expert_{e_t}(x) with (w, e) = topk_route(x @ router.T).
 
     Weights: ``router_weight`` (E, hidden) (None when the caller passes ``router_logits``),
-    ``w1`` (E, 2 * intermediate, hidden) gate rows then up rows, ``w2`` (E, hidden, intermediate),
-    optional ``e_score_correction_bias`` (E,) float32 for sigmoid scoring.
+    ``w1`` (E, 2 * intermediate, hidden) gate rows then up rows (``gate_up_interleaved``: alternating;
+    a *_no_mul ``activation``: (E, intermediate, hidden)), ``w2`` (E, hidden, intermediate),
+    optional ``e_score_correction_bias`` (E,) float32 for sigmoid scoring. ``swiglu_alpha`` and
+    ``swiglu_limit``: the activation's floats (``tmoe.modular.LayerArgs``).
 
     ``expert_parallel`` (``tmoe.ExpertParallel``): the experts are spread over its process group
     and this rank holds its E_local = E / W of them: ``w1``/``w2`` are (E_local, ...) in local-id
@@ -92,13 +96,17 @@ class FusedMoE(nn.Module):
                  num_expert_group: int = 0, topk_group: int = 0, routed_scaling_factor: float = 1.0,
                  score_correction_bias: bool = False, router: bool = True, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, kernel: FusedMoEModularKernel | None = None,
-                 expert_parallel: ExpertParallel | None = None) -> None:
+                 expert_parallel: ExpertParallel | None = None, swiglu_alpha: float | None = None,
+                 swiglu_limit: float | None = None, gate_up_interleaved: bool = False) -> None:
         super().__init__()
         e = positive_int("num_experts", num_experts)
         k, n = positive_int("hidden_size", hidden_size), positive_int("intermediate_size", intermediate_size)
         if not 1 <= positive_int("topk", topk) <= e:
             raise ValueError(f"topk must be in [1, num_experts={e}], got {topk}")
+        check_activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
         self.activation = activation
+        self.act_options = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                                gate_up_interleaved=gate_up_interleaved)
         self.routing = RouterConfig(topk, scoring, renormalize, num_expert_group, topk_group, routed_scaling_factor)
         make = dict(dtype=dtype, device=device)
         self.router_weight = nn.Parameter(torch.randn(e, k, **make) / k**0.5, requires_grad=False) if router else None
@@ -106,7 +114,8 @@ class FusedMoE(nn.Module):
                                         if score_correction_bias else None)
         self.num_experts, self.expert_parallel = e, expert_parallel
         e_local = e if expert_parallel is None else expert_parallel.num_local_experts(e)
-        self.w1 = nn.Parameter(torch.randn(e_local, 2 * n, k, **make) / k**0.5, requires_grad=False)
+        self.w1 = nn.Parameter(torch.randn(e_local, w1_rows_per_n(activation) * n, k, **make) / k**0.5,
+                               requires_grad=False)
         self.w2 = nn.Parameter(torch.randn(e_local, k, n, **make) / n**0.5, requires_grad=False)
         if expert_parallel is not None:
             self.register_buffer("expert_map", expert_parallel.expert_map(e, device), persistent=False)
@@ -117,13 +126,20 @@ class FusedMoE(nn.Module):
     @classmethod
     def from_experts(cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor], topk: int,
                      router_weight: torch.Tensor | None = None, **kwargs) -> "FusedMoE":
-        """Build from per-expert linear weights: gate/up (intermediate, hidden), down (hidden, intermediate)."""
+        """Build from per-expert linear weights: gate/up (intermediate, hidden), down (hidden,
+        intermediate); ``up`` empty for a *_no_mul activation (``gate`` is then the up projection)."""
         n, k = gate[0].shape
         layer = cls(len(gate), k, n, topk, router=router_weight is not None, dtype=gate[0].dtype,
                     device=gate[0].device, **kwargs)
         shard = layer.expert_parallel.shard if layer.expert_parallel is not None else (lambda t: t)
         with torch.no_grad():
-            layer.w1.copy_(shard(torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gate, up)])))
+            if not up:
+                w1 = torch.stack(gate)
+            elif layer.act_options["gate_up_interleaved"]:
+                w1 = torch.stack([torch.stack([g, u], dim=1).reshape(2 * n, k) for g, u in zip(gate, up)])
+            else:
+                w1 = torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gate, up)])
+            layer.w1.copy_(shard(w1))
             layer.w2.copy_(shard(torch.stack(down)))
             if router_weight is not None:
                 layer.router_weight.copy_(router_weight)
@@ -147,5 +163,5 @@ class FusedMoE(nn.Module):
         weights, ids = self.route(router_logits)
         ep = {} if self.expert_parallel is None else {"global_num_experts": self.num_experts,
                                                        "expert_map": self.expert_map}
-        out = self.kernel(x, self.w1, self.w2, weights, ids, activation=self.activation, **ep)
+        out = self.kernel(x, self.w1, self.w2, weights, ids, activation=self.activation, **self.act_options, **ep)
         return out.view(hidden_states.shape)

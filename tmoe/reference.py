@@ -28,17 +28,38 @@ def align_reference(
     return torch.tensor(ids, dtype=torch.int32), torch.tensor(experts, dtype=torch.int32), len(ids)
 
 
-def act_and_mul_reference(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def act_and_mul_reference(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float | None = None,
+                          limit: float | None = None) -> torch.Tensor:
+    """act(gate) * up; swigluoai with ``alpha`` (None: 1.702) and ``limit`` (None: 7.0); silu with
+    a ``limit``: min(silu(gate), limit) * clamp(up, -limit, limit)."""
     if activation == "silu":
-        return F.silu(gate) * up
+        if limit is None:
+            return F.silu(gate) * up
+        return F.silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
     if activation == "gelu":
         return F.gelu(gate) * up
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
     if activation == "swigluoai":
-        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-        return gate * torch.sigmoid(1.702 * gate) * (up + 1.0)
+        alpha, limit = 1.702 if alpha is None else alpha, 7.0 if limit is None else limit
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return gate * torch.sigmoid(alpha * gate) * (up + 1.0)
     raise ValueError(f"unknown activation {activation!r}")
+
+
+def activation_reference(h: torch.Tensor, activation: str, alpha: float | None = None, limit: float | None = None,
+                         interleaved: bool = False) -> torch.Tensor:
+    """The intermediate from the up projection h (rows, N_w): act(h) (rows, N) for a *_no_mul
+    activation, else act_and_mul of its gate and up halves (``interleaved``: even and odd columns)."""
+    if activation == "silu_no_mul":
+        return F.silu(h)
+    if activation == "gelu_no_mul":
+        return F.gelu(h)
+    if activation == "relu2_no_mul":
+        return F.relu(h).square()
+    n = h.shape[-1] // 2
+    gate, up = (h[..., 0::2], h[..., 1::2]) if interleaved else (h[..., :n], h[..., n:])
+    return act_and_mul_reference(gate, up, activation, alpha, limit)
 
 
 def valid_slots(
@@ -69,16 +90,19 @@ def moe_reference(
     dtype: torch.dtype = torch.float32,
     w1_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    swiglu_alpha: float | None = None,
+    swiglu_limit: float | None = None,
+    gate_up_interleaved: bool = False,
 ) -> torch.Tensor:
     """The MoE layer: out[m] = sum_t w[m,t] * (w2[e] @ act_and_mul(w1[e] @ x[m] + b1[e]) + b2[e]),
     e = topk_ids[m,t].
 
-    w1 (E_local, 2N, K) gate rows first; w2 (E_local, K, N); optional biases b1 (E_local, 2N),
-    b2 (E_local, K). Slots of out-of-range or remote experts contribute zero, as do those that
+    w1 (E_local, 2N, K) gate rows first (``gate_up_interleaved``: alternating; a *_no_mul
+    activation: (E_local, N, K)); w2 (E_local, K, N); optional biases b1 (E_local, 2N) in w1's
+    row order, b2 (E_local, K). Slots of out-of-range or remote experts contribute zero, as do those that
     expert_map sends outside [0, E_local). Computed expert by expert in ``dtype``; returns (M, K).
     """
     num_experts = global_num_experts if global_num_experts > 0 else w1.shape[0]
-    n = w1.shape[1] // 2
     x = hidden_states.to(dtype)
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=dtype, device=x.device)
     for e in range(num_experts):
@@ -91,7 +115,7 @@ def moe_reference(
         h = xe @ w1[local].to(dtype).T
         if w1_bias is not None:
             h = h + w1_bias[local].to(dtype)
-        y = act_and_mul_reference(h[:, :n], h[:, n:], activation) @ w2[local].to(dtype).T
+        y = activation_reference(h, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved) @ w2[local].to(dtype).T
         if w2_bias is not None:
             y = y + w2_bias[local].to(dtype)
         out.index_add_(0, rows, y if apply_router_weight_on_input else y * weight)

@@ -1,10 +1,12 @@
 """tmoe stand-ins for Hugging Face ``transformers`` (5.x) experts modules, and the layout table.
 
 tmoe computes ``sum_k w_k * (act(x W1g_e^T + b1g_e) * (x W1u_e^T + b1u_e)) W2_e^T + b2_e`` with
-``W1`` (E, 2N, K): gate rows then up rows, and ``W2`` (E, K, N). Each supported experts class is
-described by an ``ExpertsSpec``: how far its storage is from that layout (transposed, interleaved,
-DBRX's flat per-expert blocks), whether it has biases, and which gating it applies. Weights
-already in tmoe's layout keep their Parameters; the others are re-laid once, at swap time.
+``W1`` (E, 2N, K): gate rows then up rows, or alternating (``gate_up_interleaved``), and ``W2``
+(E, K, N). Each supported experts class is described by an ``ExpertsSpec``: how far its storage is
+from that layout (transposed, interleaved, DBRX's flat per-expert blocks), whether it has biases,
+and which gating it applies. Weights already in tmoe's layout keep their Parameters; the others
+are re-laid once, at swap time (GPT-OSS's: transposed only, its interleaved gate/up rows are read
+as they are).
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python
                    "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                    "gelu_fast": "gelu_tanh", "gelu_accurate": "gelu_tanh"}
 _ACTIVATION_TYPES = {type(ACT2FN[name]): act for name, act in _HF_ACTIVATIONS.items() if name in ACT2FN}
-_SWIGLUOAI = (1.702, 7.0)  # (alpha, limit) built into tmoe's swigluoai
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class ExpertsSpec:
     transposed: ``gate_up_proj`` (E, H, 2I) and ``down_proj`` (E, I, H) (tmoe: (E, 2I, H), (E, H, I)).
     interleaved: gate and up columns alternate (gate0, up0, gate1, ...) instead of two halves.
     bias: ``gate_up_proj_bias`` (E, 2I) and ``down_proj_bias`` (E, H).
-    swigluoai: attribute names of the (alpha, limit) of GPT-OSS's clamped gating; None: ``act_fn(gate) * up``.
+    swigluoai: attribute names of the (alpha, limit) of GPT-OSS's clamped gating; None: ``act_fn(gate) * up``,
+    clamped (min(act_fn(gate), limit) * clamp(up, ±limit)) when the module has a finite ``limit``.
     dbrx: DBRX's ``mlp.w1``/``mlp.v1``/``mlp.w2``, each (E * I, H).
     """
 
@@ -123,16 +125,23 @@ def unsupported_reason(experts: nn.Module) -> str | None:
         return mismatch
     if spec.swigluoai:
         alpha, limit = (getattr(experts, name, None) for name in spec.swigluoai)
-        if (alpha, limit) != _SWIGLUOAI:
-            return f"swigluoai is built for (alpha, limit)={_SWIGLUOAI}, got ({alpha}, {limit})"
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (alpha, limit)) or limit <= 0:
+            return f"swigluoai needs a finite alpha and a positive finite limit, got ({alpha}, {limit})"
         return None
-    limit = getattr(experts, "limit", None)  # Step3p7 / BailingHybrid clamp after the activation
-    if limit is not None and math.isfinite(limit):
-        return f"clamps the activated gate (limit={limit})"
     act_fn = _act_fn(experts, spec)
-    if _tmoe_activation(act_fn) is None:
+    activation = _tmoe_activation(act_fn)
+    if activation is None:
         return f"activation {type(act_fn).__name__} is not one of tmoe's"
+    limit = _gate_limit(experts)
+    if limit is not None and (activation != "silu" or limit <= 0):
+        return f"clamps the activated gate (limit={limit}) of a {activation} gate; tmoe clamps silu by a positive limit"
     return None
+
+
+def _gate_limit(experts: nn.Module) -> float | None:
+    """Step3p7 / BailingHybrid clamp after the activation: min(act(gate), limit) * clamp(up, ±limit)."""
+    limit = getattr(experts, "limit", None)
+    return float(limit) if isinstance(limit, (int, float)) and math.isfinite(limit) else None
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -144,29 +153,30 @@ class TmoeExperts(nn.Module):
 
     forward(hidden_states (..., H), top_k_index (T, k), top_k_weights (T, k)) -> (..., H), with
     T the number of rows of hidden_states: the call signature of transformers' ``*Experts``.
-    ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) are in tmoe's layout; with
-    ``expert_parallel`` they (and the biases) hold this rank's E_local experts only.
+    ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) are in tmoe's layout, gate and up
+    rows alternating when ``gate_up_interleaved`` (GPT-OSS); with ``expert_parallel`` they (and the
+    biases) hold this rank's E_local experts only.
     """
 
     def __init__(self, experts: nn.Module, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         spec = SUPPORTED_EXPERTS[type(experts).__name__]
         self.activation = "swigluoai" if spec.swigluoai else _tmoe_activation(_act_fn(experts, spec))
+        alpha, limit = ((float(getattr(experts, name)) for name in spec.swigluoai) if spec.swigluoai
+                        else (None, _gate_limit(experts)))
+        self.act_options = dict(swiglu_alpha=alpha, swiglu_limit=limit, gate_up_interleaved=spec.interleaved)
         self.gate_up_proj_bias = self.down_proj_bias = None
         if spec.dbrx:
             mlp = experts.mlp
             w1, v1, w2 = (w.view(experts.num_experts, -1, w.shape[-1]) for w in (mlp.w1, mlp.v1, mlp.w2))
             self.gate_up_proj, self.down_proj = _frozen(torch.cat([w1, v1], 1)), _frozen(w2.transpose(1, 2))
         elif spec.transposed:
-            w1 = experts.gate_up_proj.transpose(1, 2)  # (E, 2I, H)
-            self.gate_up_proj = _frozen(torch.cat([w1[:, 0::2], w1[:, 1::2]], 1) if spec.interleaved else w1)
+            self.gate_up_proj = _frozen(experts.gate_up_proj.transpose(1, 2))  # (E, 2I, H), rows as stored
             self.down_proj = _frozen(experts.down_proj.transpose(1, 2))
         else:
             self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         if spec.bias:
-            b1 = experts.gate_up_proj_bias
-            self.gate_up_proj_bias = _frozen(torch.cat([b1[:, 0::2], b1[:, 1::2]], 1)) if spec.interleaved else b1
-            self.down_proj_bias = experts.down_proj_bias
+            self.gate_up_proj_bias, self.down_proj_bias = experts.gate_up_proj_bias, experts.down_proj_bias
         self.ep_options = {}
         parts = (NoEPPrepareAndFinalize(), TritonExperts())
         if expert_parallel is not None:
@@ -187,7 +197,7 @@ class TmoeExperts(nn.Module):
         return self.kernel(x.contiguous(), self.gate_up_proj, self.down_proj, top_k_weights.float().contiguous(),
                            top_k_index.contiguous(), activation=self.activation, w1_bias=self.gate_up_proj_bias,
                            w2_bias=self.down_proj_bias, apply_router_weight_on_input=weight_on_input,
-                           **self.ep_options)
+                           **self.act_options, **self.ep_options)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,24 @@
 import triton
 import triton.language as tl
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")  # act(gate) * up: W1 has 2N rows
+NO_MUL_ACTIVATIONS = ("silu_no_mul", "gelu_no_mul", "relu2_no_mul")  # act(h): W1 has N rows
+ACTIVATIONS = GATED_ACTIVATIONS + NO_MUL_ACTIVATIONS
+SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # GPT-OSS's defaults
+
+
+def w1_rows_per_n(activation: str) -> int:
+    """Rows of W1 per intermediate column: 2 (gate and up) for a gated activation, 1 for *_no_mul."""
+    return 1 if activation in NO_MUL_ACTIVATIONS else 2
+
+
+def activation_params(activation: str, alpha: float | None, limit: float | None) -> tuple[float, float, bool]:
+    """(alpha, limit, clamp) as the kernels take them: the runtime floats (swigluoai's default
+    1.702 and 7.0 for None) and whether the epilogue clamps (swigluoai always; silu with a limit)."""
+    if activation == "swigluoai":
+        return (SWIGLUOAI_ALPHA if alpha is None else float(alpha),
+                SWIGLUOAI_LIMIT if limit is None else float(limit), True)
+    return 1.0, 0.0 if limit is None else float(limit), limit is not None
 
 
 @triton.jit
@@ -12,19 +29,37 @@ def _sigmoid(x):
 
 
 @triton.jit
-def act_and_mul(gate, up, ACTIVATION: tl.constexpr):
-    """``act(gate) * up`` in float32; gate and up are [BM, BN] float32 tiles."""
+def act_and_mul(gate, up, alpha, limit, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr):
+    """``act(gate) * up`` in float32; gate and up are [BM, BN] float32 tiles; ``alpha`` and
+    ``limit`` runtime floats. CLAMP with silu: min(silu(gate), limit) * clamp(up, -limit, limit)."""
     if ACTIVATION == "silu":
-        out = gate * _sigmoid(gate) * up
+        out = gate * _sigmoid(gate)
+        if CLAMP:
+            out = tl.minimum(out, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        out = out * up
     elif ACTIVATION == "gelu":
         out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
     elif ACTIVATION == "gelu_tanh":
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         out = 0.5 * gate * (1.0 + (2.0 * _sigmoid(2.0 * inner) - 1.0)) * up
-    else:  # swigluoai (GPT-OSS): clamp, alpha 1.702, (up + 1)
-        gate = tl.minimum(gate, 7.0)
-        up = tl.minimum(tl.maximum(up, -7.0), 7.0)
-        out = gate * _sigmoid(1.702 * gate) * (up + 1.0)
+    else:  # swigluoai (GPT-OSS): gate <= limit, up in [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        out = gate * _sigmoid(alpha * gate) * (up + 1.0)
+    return out
+
+
+@triton.jit
+def act_no_mul(h, ACTIVATION: tl.constexpr):
+    """``act(h)`` in float32 for the non-gated activations; h is a [BM, BN] float32 tile."""
+    if ACTIVATION == "silu_no_mul":
+        out = h * _sigmoid(h)
+    elif ACTIVATION == "gelu_no_mul":
+        out = 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
+    else:  # relu2_no_mul: relu(h)^2
+        r = tl.maximum(h, 0.0)
+        out = r * r
     return out
 
 

@@ -1,6 +1,7 @@
 """The two expert GEMMs: fused up/gate + activation, and down (optionally times the router weight).
 
-One kernel serves both (``GATED`` selects the epilogue) and three row layouts (``ROUTE``):
+One kernel serves both (``GATED`` selects the up GEMM's activation epilogue; ``MUL`` its gated
+form act(gate) * up over W1's 2N rows, else act(h) over N rows) and three row layouts (``ROUTE``):
 "sorted" (Standard format, rows found through the sorted slot ids of the align stage),
 "batched" (BatchedExperts, rows ``[0, expert_num_tokens[e])`` of each expert's fixed-capacity
 batch) and "direct" (Standard format without the align stage: one program row per slot, its
@@ -18,8 +19,8 @@ import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import (
-    abs_no_nan, act_and_mul, cdiv, fp8_scale, local_expert, moe_tile_matmul,
-    moe_tile_matmul_tma, tile_ids, to_fp8,
+    abs_no_nan, act_and_mul, act_no_mul, activation_params, cdiv, fp8_scale, local_expert, moe_tile_matmul,
+    moe_tile_matmul_tma, tile_ids, to_fp8, w1_rows_per_n,
 )
 from tmoe.kernels.gemm_args import (
     Scales, fit_shared_memory, scale_args, shared_memory_budget, uniform_w_scale, weight_descriptor,
@@ -33,7 +34,8 @@ FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_gemm_kernel(
     a_ptr,  # Standard: [rows, K]; Batched: [E, cap, K]
-    w_ptr,  # [E, N_w, K]: N_w = 2N (gate rows, then up rows) when GATED, else N; W_DESC: its TMA descriptor
+    w_ptr,  # [E, N_w, K]: N_w = 2N when MUL (gate rows, up rows; INTERLEAVED: 2j gate j, 2j + 1 up j), else N
+    # (W_DESC: its TMA descriptor)
     out_ptr,  # Standard: [num_slots, N]; Batched: [E, cap, N]
     a_scale_ptr,  # [rows, K // GROUP_K] (zero strides broadcast per-tensor scales)
     w_scale_ptr,  # [E, N_w // GROUP_N, K // GROUP_K]
@@ -52,10 +54,11 @@ def _moe_gemm_kernel(
     stride_oe, stride_om, stride_on,
     stride_ase, stride_asm, stride_ask,
     stride_wse, stride_wsn, stride_wsk, stride_be,
-    stride_ose, stride_osm, stride_osg, quant_eps,
+    stride_ose, stride_osm, stride_osg, quant_eps, act_alpha, act_limit,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    GATED: tl.constexpr, ACTIVATION: tl.constexpr, QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    GATED: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr,
+    QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr,
@@ -99,17 +102,20 @@ def _moe_gemm_kernel(
         return
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak  # [BM, BK]
-    if W_DESC:  # gate rows n, up rows N + n of W1 as two TMA tiles
+    if W_DESC:  # gate rows n, up rows N + n of W1 as two TMA tiles (INTERLEAVED: the launcher uses pointers)
         acc, up = moe_tile_matmul_tma(
-            a_ptrs, w_ptr, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + GATED),
+            a_ptrs, w_ptr, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
             a_scale_ptr + scale_rows, w_scale_ptr + expert * stride_wse,
             K, stride_ak, stride_ask, stride_wsn, stride_wsk,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, GATED, UNIFORM_W_SCALE, EVEN_K, PRECISION,
-        )  # [BM, BN] float32 each (up: GATED only)
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, EVEN_K, PRECISION,
+        )  # [BM, BN] float32 each (up: MUL only)
     else:
-        if GATED:  # interleaved columns: 2j is gate row n_j, 2j + 1 is up row N + n_j
+        if MUL:  # tile column 2j is gate row n_j, 2j + 1 is up row n_j (W1 row N + n_j; INTERLEAVED: 2 n_j + 1)
             offs_c = tl.arange(0, 2 * BLOCK_N)
-            w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
+            if INTERLEAVED:
+                w_cols = pid_n.to(tl.int64) * 2 * BLOCK_N + offs_c  # [2BN]
+            else:
+                w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
             mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
         else:
             w_cols = offs_n
@@ -121,22 +127,28 @@ def _moe_gemm_kernel(
             a_scale_ptr + scale_rows,
             w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
             K, stride_ak, stride_wk, stride_ask, stride_wsk,
-            BLOCK_M, BLOCK_N * (1 + GATED), BLOCK_K, GROUP_K, QUANT, EVEN_K, PRECISION,
-        )  # [BM, BN] float32, [BM, 2BN] when GATED
-        if GATED:
+            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, EVEN_K, PRECISION,
+        )  # [BM, BN] float32, [BM, 2BN] when MUL
+        if MUL:
             acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    if HAS_BIAS:
-        bias_ptrs = bias_ptr + expert * stride_be + offs_n  # [BN]; up biases at + N
+    if HAS_BIAS:  # [BN]; up biases at + N (INTERLEAVED: gate biases at 2n, up biases at 2n + 1)
+        bias_ptrs = bias_ptr + expert * stride_be + offs_n * (1 + INTERLEAVED)
+        up_bias_offset = 1 if INTERLEAVED else N
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
     if GATED:  # act((w * x) @ W1 + b1): the weight scales the input, the bias is not scaled
         if MUL_ROUTED_WEIGHT:
             acc = acc * weight[:, None]
-            up = up * weight[:, None]
         if HAS_BIAS:
             acc += tl.load(bias_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            up += tl.load(bias_ptrs + N, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        acc = act_and_mul(acc, up, ACTIVATION)
+        if MUL:
+            if MUL_ROUTED_WEIGHT:
+                up = up * weight[:, None]
+            if HAS_BIAS:
+                up += tl.load(bias_ptrs + up_bias_offset, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc = act_and_mul(acc, up, act_alpha, act_limit, ACTIVATION, CLAMP)
+        else:
+            acc = act_no_mul(acc, ACTIVATION)
         if QUANT_OUT:  # fp8 codes and one scale per 1 x GROUP_OUT group, as per_token_group_quant_fp8
             NUM_G: tl.constexpr = BLOCK_N // GROUP_OUT
             acc = tl.where(mask_n[None, :], acc, 0.0)
@@ -195,6 +207,9 @@ def invoke_moe_gemm(
     bias: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     quant_eps: float = 1e-10,
+    swiglu_alpha: float | None = None,
+    swiglu_limit: float | None = None,
+    gate_up_interleaved: bool = False,
 ) -> torch.Tensor:
     """Launch one expert GEMM into ``out``; exactly one of ``routing`` (Standard: aligned or
     direct, with ``config.block_m`` 16 for direct) and ``expert_num_tokens`` (Batched) is given. ``topk_weights`` ([num_slots] float32) multiplies
@@ -203,9 +218,13 @@ def invoke_moe_gemm(
     quantizes per 1 x g group, g = N_out // out_scale.shape[-1] (a divisor of ``config.block_n``),
     writing the codes to ``out`` and the scales, max(absmax, quant_eps) / 448, to ``out_scale``
     (rows, N_out / g), exactly as ``per_token_group_quant_fp8`` of the float32 intermediate.
-    Shapes were checked by the caller. Planned (``tmoe.kernels.launch.planned``): the body runs
-    once per static signature of the arguments."""
-    n = w.shape[1] // 2 if gated else w.shape[1]
+    ``gated`` (the up GEMM): ``w`` is (E, 2N, K) for a gated ``activation`` (``gate_up_interleaved``:
+    row 2j gate j, row 2j + 1 up j; else gate rows then up rows), (E, N, K) for a *_no_mul one;
+    ``swiglu_alpha``/``swiglu_limit`` are runtime floats (see ``activation_params``), so a new
+    value compiles nothing. Shapes were checked by the caller. Planned
+    (``tmoe.kernels.launch.planned``): the body runs once per static signature of the arguments."""
+    mul = gated and w1_rows_per_n(activation) == 2
+    n = w.shape[1] // 2 if mul else w.shape[1]
     k = w.shape[2]
     batched = routing is None
     unused = w  # pointer arguments the route does not read
@@ -230,17 +249,18 @@ def invoke_moe_gemm(
                      num_slots=routing.num_slots, a_row_div=routing.a_row_div)
     if num_pid_m == 0 or n == 0:
         return out
-    config = fit_shared_memory(config, a.element_size(), gated, shared_memory_budget(a.device))
+    config = fit_shared_memory(config, a.element_size(), mul, shared_memory_budget(a.device))
     if out_scale is not None:
         group_out = fused_quant_group(n, out_scale.shape[-1], config, gated)
         os_st = (out_scale.stride(0) if batched else 0, out_scale.stride(-2), out_scale.stride(-1))
     else:
         group_out, os_st = 1, (0, 0, 0)
-    w_desc = weight_descriptor(w, config)
+    w_desc = None if mul and gate_up_interleaved else weight_descriptor(w, config)
+    act_alpha, act_limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
     grid = (num_pid_m * cdiv(n, config.block_n),)
     kwargs = dict(
         a_ptr=a, w_ptr=w, out_ptr=out, W_DESC=w_desc is not None,
-        UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, gated),
+        UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, mul),
         topk_weights_ptr=topk_weights if topk_weights is not None else w,
         bias_ptr=bias if bias is not None else w, stride_be=bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None,
@@ -251,7 +271,8 @@ def invoke_moe_gemm(
         stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
         stride_om=out.stride(-2), stride_on=out.stride(-1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        GATED=gated, ACTIVATION=activation, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        GATED=gated, MUL=mul, INTERLEAVED=mul and gate_up_interleaved, ACTIVATION=activation, CLAMP=clamp,
+        act_alpha=act_alpha, act_limit=act_limit, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
         **route, **scale_args(scales, a, w, config),

@@ -6,16 +6,31 @@ from typing import NamedTuple
 
 import torch
 
+RuntimeFloat = float
+"""A float the layer op takes as a ``Scalar`` schema argument and the kernels as a plain (never
+specialised) float argument: a new value compiles no new kernel. Under torch.compile, dynamo keeps
+it symbolic with backend="eager"; an AOT backend (inductor, aot_eager) specialises a float that
+reaches a custom op, so there a new value retraces the graph once (guard ``value == v``), as a
+``float`` schema argument would under every backend."""
+
 
 class LayerArgs(NamedTuple):
     """One layer call, in the layer op's argument order.
 
-    hidden_states (M, K); w1 (E, 2N, K) gate rows then up rows; w2 (E, K, N); topk_weights
-    (M, topk) float32; topk_ids (M, topk) int32/int64. ``activation``: silu, gelu, gelu_tanh,
-    swigluoai. ``global_num_experts`` (-1: E) with ``expert_map`` (E_global,) int32, global id to
-    local id or -1. fp8: ``w1_scale``/``w2_scale`` weight scales, ``a1_scale``/``a2_scale``
-    static per-tensor activation scales (None: dynamic). ``apply_router_weight_on_input`` scales
-    the input (topk == 1). ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K): expert biases.
+    hidden_states (M, K); w1 (E, 2N, K) gate rows then up rows (E, N, K for a *_no_mul
+    activation); w2 (E, K, N); topk_weights (M, topk) float32; topk_ids (M, topk) int32/int64.
+    ``activation``: gated act(gate) * up: silu, gelu, gelu_tanh, swigluoai (GPT-OSS:
+    clamp(gate, max=limit) * sigmoid(alpha * gate) * (clamp(up, -limit, limit) + 1)); non-gated
+    act(h): silu_no_mul, gelu_no_mul, relu2_no_mul (relu(h)^2). ``global_num_experts`` (-1: E)
+    with ``expert_map`` (E_global,) int32, global id to local id or -1. fp8:
+    ``w1_scale``/``w2_scale`` weight scales, ``a1_scale``/``a2_scale`` static per-tensor
+    activation scales (None: dynamic). ``apply_router_weight_on_input`` scales the input
+    (topk == 1). ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K): expert biases, w1_bias in w1's row
+    order. ``swiglu_alpha`` (swigluoai only; None: 1.702) and ``swiglu_limit`` (swigluoai, None:
+    7.0; silu, None: no clamp, else the clamped silu min(silu(gate), limit) * clamp(up, -limit,
+    limit)): runtime floats, a new value compiles no new kernel. ``gate_up_interleaved``: w1's
+    rows (and w1_bias) alternate gate and up (row 2j gate j, row 2j + 1 up j; GPT-OSS's layout)
+    instead of gate rows then up rows.
     """
 
     hidden_states: torch.Tensor
@@ -33,10 +48,14 @@ class LayerArgs(NamedTuple):
     apply_router_weight_on_input: bool = False
     w1_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
+    swiglu_alpha: RuntimeFloat | None = None
+    swiglu_limit: RuntimeFloat | None = None
+    gate_up_interleaved: bool = False
 
 
 _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "int": "int",
-                 "bool": "bool"}
+                 "bool": "bool", "float": "float", "float | None": "float?",
+                 "RuntimeFloat | None": "Scalar?"}
 
 
 def layer_schema(mutable_first: bool = False) -> str:

@@ -3,10 +3,12 @@ shapes, dtypes and devices, so the same function serves the eager op and its fak
 tensors a dimension check becomes an equality guard, never a data-dependent branch)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import ACTIVATIONS
+from tmoe.kernels.common import ACTIVATIONS, w1_rows_per_n
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
@@ -37,27 +39,32 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
             raise TypeError(f"{name} has dtype {w.dtype}, expected {weight_dtype} ({why})")
         if quant.quant_dtype is not None and getattr(args, scale_name) is None:
             raise ValueError(f"fp8 experts need {scale_name}")
+    check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
     m, k = x.shape
-    e, two_n, k1 = w1.shape
-    if two_n % 2:
-        raise ValueError(f"w1 must be (E, 2N, K) with gate rows then up rows; got {two_n} rows")
+    e, rows, k1 = w1.shape
+    per_n = w1_rows_per_n(args.activation)
+    if rows % per_n:
+        raise ValueError(f"w1 must be (E, 2N, K) with gate rows and up rows; got {rows} rows")
     if k1 != k:
-        raise ValueError(f"w1 must be (E, 2N, K={k}) to match hidden_states (M, K={k}); got shape {tuple(w1.shape)}")
-    check_shape("w2", w2, (e, k, two_n // 2))
+        raise ValueError(f"w1 must be (E, {'2N' if per_n == 2 else 'N'}, K={k}) to match hidden_states (M, K={k}); got shape "
+                         f"{tuple(w1.shape)}")
+    n = rows // per_n
+    if per_n == 1 and w2.shape[2] * 2 == rows:  # gate and up rows for a non-gated activation
+        raise ValueError(f"w1 must be (E, N, K) for activation {args.activation!r}: w2 (E, K, N={w2.shape[2]}) "
+                         f"needs {w2.shape[2]} rows of w1, got {rows}")
+    check_shape("w2", w2, (e, k, n))
     check_tensor("topk_ids", args.topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=dev, contiguous=True)
     check_tensor("topk_weights", args.topk_weights, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
     if args.topk_ids.shape[0] != m:
         raise ValueError(f"topk_ids must be (M={m}, topk) like hidden_states; got shape {tuple(args.topk_ids.shape)}")
     check_shape("topk_weights", args.topk_weights, tuple(args.topk_ids.shape))
-    if args.activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {args.activation!r}")
     if args.apply_router_weight_on_input and args.topk_ids.shape[1] != 1:
         raise ValueError("apply_router_weight_on_input needs topk == 1")
-    for name, rows in (("w1_bias", two_n), ("w2_bias", k)):
+    for name, bias_rows in (("w1_bias", rows), ("w2_bias", k)):
         bias = getattr(args, name)
         if bias is not None:
             check_tensor(name, bias, dtypes=FLOAT_DTYPES, ndim=2)
-            check_shape(name, bias, (e, rows))
+            check_shape(name, bias, (e, bias_rows))
             if bias.stride(1) != 1:
                 raise ValueError(f"{name} must be contiguous along its last dimension")
     num_experts = args.global_num_experts if args.global_num_experts > 0 else e
@@ -68,9 +75,31 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
         raise ValueError(f"global_num_experts={num_experts} differs from w1's {e} experts but no expert_map given")
     if quant.scheme == "block":
         bk = quant.block_shape[1]
-        if k % bk or (two_n // 2) % bk:
+        if k % bk or n % bk:
             raise ValueError(f"block_shape[1]={bk} (the activation group size) must divide the hidden size K={k} "
-                             f"and the intermediate size N={two_n // 2}")
+                             f"and the intermediate size N={n}")
+
+
+def check_activation(act: str, swiglu_alpha: float | None, swiglu_limit: float | None,
+                     gate_up_interleaved: bool) -> None:
+    """The activation and its options: a known name; ``swiglu_alpha`` only with swigluoai (finite);
+    ``swiglu_limit`` only with silu or swigluoai (> 0); ``gate_up_interleaved`` only when gated."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {act!r}")
+    for name, value, acts in (("swiglu_alpha", swiglu_alpha, ("swigluoai",)),
+                              ("swiglu_limit", swiglu_limit, ("silu", "swigluoai"))):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymFloat, torch.SymInt)):
+            raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+        if act not in acts:
+            raise ValueError(f"{name} applies to activation {' or '.join(acts)}, not {act!r}")
+        if name == "swiglu_alpha" and isinstance(value, (int, float)) and not math.isfinite(value):
+            raise ValueError(f"swiglu_alpha must be finite, got {value}")
+        if name == "swiglu_limit" and isinstance(value, (int, float)) and not value > 0:
+            raise ValueError(f"swiglu_limit must be > 0, got {value}")
+    if gate_up_interleaved and w1_rows_per_n(act) != 2:
+        raise ValueError(f"gate_up_interleaved needs a gated activation (w1 with gate and up rows), not {act!r}")
 
 
 def check_static_scales(args: LayerArgs) -> None:

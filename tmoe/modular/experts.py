@@ -8,6 +8,7 @@ import torch
 from tmoe.kernels.checks import positive_int
 from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route
 from tmoe.kernels.align import moe_align_block_size
+from tmoe.kernels.common import w1_rows_per_n
 from tmoe.kernels.gemm_args import Scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_gemm import DirectRouting, Routing, invoke_moe_gemm
@@ -82,17 +83,17 @@ class TritonExperts(_TritonExpertsBase):
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, w1_scale, w2_scale, a1q_scale, a2_scale, workspace13, workspace2, expert_num_tokens,
-              apply_router_weight_on_input, w1_bias=None, w2_bias=None) -> None:
+              apply_router_weight_on_input, w1_bias=None, w2_bias=None, **act_options) -> None:
         m, k = hidden_states.shape
         topk = topk_ids.shape[1]
-        n = w1.shape[1] // 2
+        n = w1.shape[1] // w1_rows_per_n(activation)
         cfg = self._config(m, global_num_experts, n, k, topk, hidden_states.device)
         weights = topk_weights.reshape(-1) if apply_router_weight_on_input else None
         if output.dim() == 2:
             a2q, a2q_scale = self._up(
                 hidden_states, w1, (m * topk, n), workspace2, replace(cfg.up, block_m=16), a1q_scale, w1_scale,
                 a2_scale, activation=activation, topk_weights=weights, bias=w1_bias,
-                routing=DirectRouting(topk_ids, global_num_experts, expert_map, topk),
+                routing=DirectRouting(topk_ids, global_num_experts, expert_map, topk), **act_options,
             )
             down_cfg = direct_down_config(cfg, m, k, hidden_states.device, self.quant_config.block_shape)
             moe_down_reduce(a2q, w2, output, topk_ids, global_num_experts, down_cfg,
@@ -105,7 +106,7 @@ class TritonExperts(_TritonExpertsBase):
         a2q, a2q_scale = self._up(
             hidden_states, w1, (m * topk, n), workspace2, cfg.up, a1q_scale, w1_scale, a2_scale, activation=activation,
             routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk), topk_weights=weights,
-            bias=w1_bias,
+            bias=w1_bias, **act_options,
         )
         invoke_moe_gemm(
             a2q, w2, output.view(m * topk, k), cfg.down, gated=False,
@@ -140,11 +141,12 @@ class BatchedTritonExperts(_TritonExpertsBase):
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, w1_scale, w2_scale, a1q_scale, a2_scale, workspace13, workspace2, expert_num_tokens,
-              apply_router_weight_on_input, w1_bias=None, w2_bias=None) -> None:
+              apply_router_weight_on_input, w1_bias=None, w2_bias=None, **act_options) -> None:
         e, cap, k = hidden_states.shape
-        n = w1.shape[1] // 2
+        n = w1.shape[1] // w1_rows_per_n(activation)
         cfg = self._config(cap, e, n, k, 1, hidden_states.device)
         a2q, a2q_scale = self._up(hidden_states, w1, (e, cap, n), workspace2, cfg.up, a1q_scale, w1_scale, a2_scale,
-                                  activation=activation, expert_num_tokens=expert_num_tokens, bias=w1_bias)
+                                  activation=activation, expert_num_tokens=expert_num_tokens, bias=w1_bias,
+                                  **act_options)
         invoke_moe_gemm(a2q, w2, output, cfg.down, gated=False, expert_num_tokens=expert_num_tokens,
                         scales=self._scales(a2q_scale, w2_scale), bias=w2_bias)

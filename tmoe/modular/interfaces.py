@@ -171,6 +171,8 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
         a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None, workspace13: torch.Tensor,
         workspace2: torch.Tensor, expert_num_tokens: torch.Tensor | None, apply_router_weight_on_input: bool,
         w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+        swiglu_alpha: float | None = None, swiglu_limit: float | None = None, gate_up_interleaved: bool = False,
     ) -> None:
         """Expert outputs into ``output``; ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K) are optional
-        per-expert biases (GPT-OSS)."""
+        per-expert biases (GPT-OSS); ``w1`` is (E, N, K) for a *_no_mul ``activation``. The
+        activation options are ``LayerArgs``'s (runtime floats, the interleaved gate/up layout)."""

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from tmoe.kernels.common import w1_rows_per_n
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import call_signature, check_layer_call, check_static_scales
@@ -162,7 +163,7 @@ class ModularKernel:
         x, w1 = args.hidden_states, args.w1
         m, k = x.shape
         topk = args.topk_ids.shape[1]
-        e_local, n = w1.shape[0], w1.shape[1] // 2
+        e_local, n = w1.shape[0], w1.shape[1] // w1_rows_per_n(args.activation)
         num_experts = args.global_num_experts if args.global_num_experts > 0 else e_local
         pf.check_local_experts(e_local)
         chunk = max(1, min(m, chunk_size) if experts.supports_chunking() else m)
@@ -183,7 +184,8 @@ class ModularKernel:
         experts.apply(fused_out, prepared.a1q, args.w1, args.w2, expert_weights, expert_ids, args.activation,
                       plan.num_experts, args.expert_map, args.w1_scale, args.w2_scale, prepared.a1q_scale,
                       args.a2_scale, ws13, ws2, prepared.expert_num_tokens, args.apply_router_weight_on_input,
-                      w1_bias=args.w1_bias, w2_bias=args.w2_bias)
+                      w1_bias=args.w1_bias, w2_bias=args.w2_bias, swiglu_alpha=args.swiglu_alpha,
+                      swiglu_limit=args.swiglu_limit, gate_up_interleaved=args.gate_up_interleaved)
         pf.finalize(output, fused_out, weights, ids, args.apply_router_weight_on_input, num_experts=plan.num_experts,
                     expert_map=args.expert_map, prepared=prepared, num_local_experts=plan.e_local)
 

@@ -10,9 +10,10 @@ import torch
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
-from tmoe.kernels.common import cdiv
+from tmoe.kernels.common import cdiv, w1_rows_per_n
 from tmoe.kernels.gemm_args import Scales, check_gemm_operands
 from tmoe.kernels.moe_gemm import Routing, invoke_moe_gemm
+from tmoe.modular.checks import check_activation
 from tmoe.kernels.quant import (
     FP8_DTYPE,
     alloc_group_scales,
@@ -65,13 +66,16 @@ def _check_routing(a: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: 
                          f"{cdiv(sorted_token_ids.shape[0], block_m)}: align with block_size=block_m")
 
 
-def _check_gemm(a, w, routing, block_m, gated, topk_weights, num_slots, a_name, w_name, k_dim, topk) -> None:
+def _check_gemm(a, w, routing, block_m, gated, topk_weights, num_slots, a_name, w_name, k_dim, topk,
+                activation="silu", swiglu_alpha=None, swiglu_limit=None, gate_up_interleaved=False) -> None:
     check_gemm_operands(a_name, a, w_name, w, k_dim)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1 or num_slots % topk:
         raise ValueError(f"topk must be a positive int dividing the {num_slots} slots, got {topk!r}")
     _check_routing(a, *routing, block_m)
-    if gated and w.shape[1] % 2:
-        raise ValueError(f"{w_name} must be (E, 2N, K) with gate rows then up rows; got {w.shape[1]} rows")
+    if gated:
+        check_activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+        if w.shape[1] % w1_rows_per_n(activation):
+            raise ValueError(f"{w_name} must be (E, 2N, K) with gate rows and up rows; got {w.shape[1]} rows")
     if topk_weights is not None:
         check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), device=a.device)
         if topk_weights.numel() != num_slots:
@@ -80,10 +84,10 @@ def _check_gemm(a, w, routing, block_m, gated, topk_weights, num_slots, a_name, 
 
 
 def _gemm(a, w, routing, m, topk, a_row_div, block_m, gated, activation, topk_weights, a_scale, w_scale,
-          block_shape, out_dtype) -> torch.Tensor:
+          block_shape, out_dtype, **act_options) -> torch.Tensor:
     """One expert GEMM with the tiles the layer uses at (M=m, E, N, K, topk)."""
     num_slots = m * topk
-    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    n_out = w.shape[1] // w1_rows_per_n(activation) if gated else w.shape[1]
     n, k = (n_out, w.shape[2]) if gated else (w.shape[2], w.shape[1])  # the layer's (N, K): w1 (E, 2N, K), w2 (E, K, N)
     cfg = get_config(m, w.shape[0], n, k, topk, a.device,
                      quant="fp8_w8a8" if a.dtype in FP8_DTYPES else None, block_shape=block_shape)
@@ -92,7 +96,7 @@ def _gemm(a, w, routing, m, topk, a_row_div, block_m, gated, activation, topk_we
     weights = topk_weights.reshape(-1) if topk_weights is not None else None
     return invoke_moe_gemm(a, w, out, gemm_cfg, gated=gated, activation=activation,
                            routing=Routing(*routing, num_slots, a_row_div), topk_weights=weights,
-                           scales=_scales(a_scale, w_scale, block_shape))
+                           scales=_scales(a_scale, w_scale, block_shape), **act_options)
 
 
 @torch.library.custom_op("tmoe::moe_gemm_up", mutates_args=())
@@ -101,26 +105,31 @@ def moe_gemm_up(
     num_tokens_post_padded: torch.Tensor, topk: int, block_m: int, activation: str = "silu",
     topk_weights: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None, block_shape: list[int] | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
+    gate_up_interleaved: bool = False,
 ) -> torch.Tensor:
-    """(M*topk, N) = act(x @ w1[e, :N].T) * (x @ w1[e, N:].T) per slot; ``topk_weights`` given
-    scales the input side (apply_router_weight_on_input)."""
+    """(M*topk, N) = act(x @ w1[e, :N].T) * (x @ w1[e, N:].T) per slot (a *_no_mul activation:
+    act(x @ w1[e].T), w1 (E, N, K)); ``topk_weights`` given scales the input side
+    (apply_router_weight_on_input); the activation options are ``LayerArgs``'s."""
     routing = (sorted_token_ids, expert_ids, num_tokens_post_padded)
     m = hidden_states.shape[0]
+    act = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, gate_up_interleaved=gate_up_interleaved)
     _check_gemm(hidden_states, w1, routing, block_m, True, topk_weights, m * topk, "hidden_states", "w1", "K",
-                topk)
+                topk, activation, **act)
     return _gemm(hidden_states, w1, routing, m, topk, topk, block_m, True, activation, topk_weights, a_scale,
-                 w_scale, block_shape, out_dtype)
+                 w_scale, block_shape, out_dtype, **act)
 
 
 @moe_gemm_up.register_fake
 def _(hidden_states, w1, sorted_token_ids, expert_ids, num_tokens_post_padded, topk, block_m, activation="silu",
-      topk_weights=None, a_scale=None, w_scale=None, block_shape=None, out_dtype=None):
+      topk_weights=None, a_scale=None, w_scale=None, block_shape=None, out_dtype=None, swiglu_alpha=None,
+      swiglu_limit=None, gate_up_interleaved=False):
     m = hidden_states.shape[0]
     _check_gemm(hidden_states, w1, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, True,
-                topk_weights, m * topk, "hidden_states", "w1", "K",
-                topk)
-    return hidden_states.new_empty((m * topk, w1.shape[1] // 2), dtype=out_dtype or hidden_states.dtype)
+                topk_weights, m * topk, "hidden_states", "w1", "K", topk, activation, swiglu_alpha, swiglu_limit,
+                gate_up_interleaved)
+    return hidden_states.new_empty((m * topk, w1.shape[1] // w1_rows_per_n(activation)),
+                                   dtype=out_dtype or hidden_states.dtype)
 
 
 @torch.library.custom_op("tmoe::moe_gemm_down", mutates_args=())
