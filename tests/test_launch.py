@@ -148,3 +148,64 @@ def test_layer_launches_take_the_direct_call_and_stay_exact(route):
             direct = tmoe.fused_experts(x, w1, w2, w, ids.int())
             assert torch.equal(direct, via_triton)
     assert launch_mod.direct_call_count() >= 2
+
+
+def _counting_static(monkeypatch):
+    calls = []
+    real = launch_mod._static
+
+    def static(v):
+        calls.append(1)
+        return real(v)
+
+    monkeypatch.setattr(launch_mod, "_static", static)
+    return calls
+
+
+def test_layer_replays_its_launches_without_launcher_keys(monkeypatch, device):
+    """The second call of a layer signature replays the recorded plans (no per-launcher key);
+    new routing, a route override and a new shape still give the reference's result."""
+    e, n, k, topk, m = 4, 32, 64, 2, 5
+    w1 = torch.randn(e, 2 * n, k, device=device) * 0.1
+    w2 = torch.randn(e, k, n, device=device) * 0.1
+    calls = _counting_static(monkeypatch)
+
+    def check(m_):
+        x = torch.randn(m_, k, device=device)
+        w, ids = torch.topk(torch.randn(m_, e, device=device).softmax(-1), topk)
+        out = tmoe.fused_experts(x, w1, w2, w, ids.int())
+        assert_close(out, moe_reference(x, w1, w2, w, ids.int()), torch.float32)
+
+    check(m)
+    assert calls
+    calls.clear()
+    check(m)
+    assert not calls  # replayed
+    for route in ("direct", "sorted"):
+        with override_route(route):  # a config state of its own: recorded afresh, then replayed
+            check(m)
+            assert calls
+            calls.clear()
+            check(m)
+            assert not calls
+    check(m + 1)
+    assert calls
+
+
+def test_launch_sequence_mismatch_falls_back_to_keys(gpu_branch):
+    kernel, bodies = FakeKernel(), []
+    first, second = _planned_launcher(kernel, bodies), _planned_launcher(kernel, bodies)
+    a, b = torch.zeros(8), torch.zeros(8)
+    seq = launch_mod.LaunchSequence()
+    with seq.active():
+        first(a, b, 3)
+    assert seq.recorded and seq.valid
+    with seq.active():
+        first(a, b, 3)  # replayed: no body
+    assert bodies == [3]
+    with seq.active():
+        second(a, b, 3)  # another launcher at step 0: the sequence is dropped, keys used
+    assert not seq.valid and bodies == [3, 3]
+    with seq.active():
+        first(a, b, 4)
+    assert bodies == [3, 3, 4]

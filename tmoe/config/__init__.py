@@ -104,6 +104,12 @@ def override_route(route: str) -> Iterator[None]:
         _ROUTE_OVERRIDE.pop()
 
 
+def config_state() -> tuple:
+    """Everything beside the static sizes that a config or route lookup reads: the active
+    overrides and ``TMOE_CONFIG_DIR`` (callers that cache per call signature key on it too)."""
+    return tuple(_OVERRIDE), tuple(_ROUTE_OVERRIDE), os.environ.get("TMOE_CONFIG_DIR")
+
+
 def use_direct_route(m: int, topk: int) -> bool:
     """Whether a layer call of ``m`` tokens takes the decode path."""
     if _ROUTE_OVERRIDE:
@@ -145,5 +151,6 @@ def get_config(
     return _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"))
 
 
-__all__ = ["GemmConfig", "MoEConfig", "config_file_name", "direct_down_config", "get_config", "override_config",
+__all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",
+           "override_config",
            "override_route", "read_table", "save_table", "use_direct_route"]

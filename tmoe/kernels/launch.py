@@ -18,9 +18,11 @@ Launches go through Triton as usual under the interpreter's launch path where no
 launch hook installed (profilers), and for tensor-descriptor arguments."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import triton
@@ -193,6 +195,68 @@ class _Plan:
         self.compiled[device] = compiled
 
 
+class LaunchSequence:
+    """The planned launches of one call of a composite (a layer call), recorded in order so later
+    calls with the same static signature replay them without recomputing each launcher's key.
+
+    ``with seq.active():`` records on the first use and replays afterwards. Sound when every
+    launcher's arguments are a function of the composite's signature: the caller keys the
+    sequence by everything the launches depend on (shapes, strides, dtypes, devices, alignment,
+    configuration state). A launch that cannot be replayed (a body that launched itself, or a
+    different launcher at a step) makes the sequence fall back to the per-launcher keys for good."""
+
+    __slots__ = ("steps", "recorded", "valid")
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[Callable, _Plan]] = []
+        self.recorded = False
+        self.valid = True
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        if not self.valid:
+            yield
+            return
+        prior = getattr(_local, "cursor", None)
+        cursor = _Cursor(self, "replay" if self.recorded else "record")
+        _local.cursor = cursor
+        try:
+            yield
+        finally:
+            _local.cursor = prior
+        if cursor.mode == "record":
+            self.steps, self.recorded = cursor.steps, True
+        elif cursor.mode == "replay" and cursor.index != len(self.steps):
+            self.valid = False
+
+
+class _Cursor:
+    """One composite call's position in its LaunchSequence; ``mode`` "record", "replay" or "off"
+    (a mismatch or an unplannable launch: the rest of the call takes the per-launcher keys)."""
+
+    __slots__ = ("seq", "mode", "index", "steps")
+
+    def __init__(self, seq: LaunchSequence, mode: str) -> None:
+        self.seq, self.mode, self.index, self.steps = seq, mode, 0, []
+
+    def next_plan(self, launcher: Callable) -> _Plan | None:
+        steps, i = self.seq.steps, self.index
+        self.index += 1
+        if i < len(steps) and steps[i][0] is launcher:
+            return steps[i][1]
+        self.seq.valid, self.mode = False, "off"
+        return None
+
+    def record(self, launcher: Callable, plan: _Plan | None) -> None:
+        if plan is None:
+            self.seq.valid, self.mode = False, "off"
+        else:
+            self.steps.append((launcher, plan))
+
+
+_local = threading.local()  # .cursor: the active LaunchSequence's cursor on this thread
+
+
 def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
     """Decorate a launcher body that checks its arguments and returns the ``Launch`` to run (or a
     plain result when there is nothing to launch). The Launch is kept per static signature of the
@@ -206,20 +270,31 @@ def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
     @functools.wraps(body)
     def launcher(*args: Any, **kwargs: Any) -> Any:
         leaves = _leaves(args, kwargs)
+        cursor = getattr(_local, "cursor", None)
+        mode = cursor.mode if cursor is not None else "off"
+        if mode == "replay":
+            plan = cursor.next_plan(launcher)
+            if plan is not None:
+                return plan(leaves)
         key = (tuple(kwargs), *[_static(v) for v in leaves])
         plan = plans.get(key)
         if plan is None:
             launch_ = body(*args, **kwargs)
-            if not isinstance(launch_, Launch):
+            if isinstance(launch_, Launch):
+                try:
+                    plan = _Plan(launch_, leaves)
+                except LookupError:
+                    launch_.kernel[launch_.grid](**launch_.kwargs)
+                    launch_ = launch_.result
+            if plan is None:
+                if mode == "record":
+                    cursor.record(launcher, None)
                 return launch_
-            try:
-                plan = _Plan(launch_, leaves)
-            except LookupError:
-                launch_.kernel[launch_.grid](**launch_.kwargs)
-                return launch_.result
             if len(plans) >= MAX_SIGNATURES:
                 plans.clear()
             plans[key] = plan
+        if mode == "record":
+            cursor.record(launcher, plan)
         return plan(leaves)
 
     return launcher

@@ -16,9 +16,10 @@ _TENSORS = ("expert_map", "w1_scale", "w2_scale", "a1_scale", "a2_scale", "w1_bi
 
 
 def call_signature(args: LayerArgs) -> tuple:
-    """What ``check_layer_call`` and the sizing of a call depend on: each tensor's shape, strides,
-    dtype and device, every other argument's value."""
-    return tuple((a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args)
+    """What ``check_layer_call``, the sizing of a call and its launches depend on: each tensor's
+    shape, strides, dtype, device and 16-byte alignment, every other argument's value."""
+    return tuple((a.shape, a.stride(), a.dtype, a.device, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a
+                 for a in args)
 
 
 def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:

@@ -12,7 +12,9 @@ from typing import NamedTuple
 import torch
 
 from tmoe.kernels.common import w1_rows_per_n
+from tmoe.config import config_state
 from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import LaunchSequence
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import call_signature, check_layer_call, check_static_scales
 from tmoe.modular.interfaces import (
@@ -96,7 +98,8 @@ class KernelSpec:
 
 
 class CallPlan(NamedTuple):
-    """What a call's signature fixes: sizes, the chunk, the workspace and fused-output shapes."""
+    """What a call's signature fixes: sizes, the chunk, the workspace and fused-output shapes, and
+    the sequence of planned launches (recorded on the first call, replayed after)."""
 
     m: int
     k: int
@@ -108,6 +111,7 @@ class CallPlan(NamedTuple):
     ws13: tuple[int, ...]
     ws2: tuple[int, ...]
     out: tuple[int, ...]
+    launches: LaunchSequence
 
 
 class ModularKernel:
@@ -124,9 +128,9 @@ class ModularKernel:
     @with_interpreter_fixes  # one swap for the call's launches (CPU); a no-op on a GPU
     def run(self, output: torch.Tensor, args: LayerArgs) -> torch.Tensor:
         """Writes the layer output into ``output`` (M, K) and returns it."""
-        experts, pf = self.fused_experts, self.prepare_finalize
         chunk_size = self.chunk_size or default_chunk_size()
-        key = (call_signature(args), chunk_size)
+        key = (call_signature(args), output.stride(), output.dtype, output.data_ptr() % 16, chunk_size,
+               config_state())
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(args, chunk_size)
@@ -137,6 +141,12 @@ class ModularKernel:
         m, chunk = plan.m, plan.chunk
         if m == 0 and not self.prepare_finalize.runs_with_no_tokens():
             return output
+        with plan.launches.active():  # the first call of a signature records its launches, later ones replay them
+            return self._run_chunks(output, args, plan)
+
+    def _run_chunks(self, output: torch.Tensor, args: LayerArgs, plan: CallPlan) -> torch.Tensor:
+        experts, pf = self.fused_experts, self.prepare_finalize
+        m, chunk = plan.m, plan.chunk
         x = args.hidden_states
         if m <= chunk:  # one chunk (an empty one when a collective prepare/finalize must run): no slicing
             self._run_chunk(output, args, x, args.topk_ids, args.topk_weights, plan,
@@ -169,7 +179,7 @@ class ModularKernel:
         chunk = max(1, min(m, chunk_size) if experts.supports_chunking() else m)
         ws13, ws2, out = experts.workspace_shapes(x, pf.num_dispatched_tokens(min(m, chunk)), n, k, topk, num_experts,
                                                   e_local)
-        return CallPlan(m, k, n, topk, e_local, num_experts, chunk, ws13, ws2, out)
+        return CallPlan(m, k, n, topk, e_local, num_experts, chunk, ws13, ws2, out, LaunchSequence())
 
     def _run_chunk(self, output: torch.Tensor, args: LayerArgs, x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor, plan: CallPlan, ws13: torch.Tensor, ws2: torch.Tensor,
