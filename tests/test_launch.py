@@ -38,7 +38,7 @@ class FakeKernel:
 
 @pytest.fixture
 def gpu_branch(monkeypatch):
-    monkeypatch.setattr(launch_mod, "INTERPRETED", False)
+    monkeypatch.setattr(launch_mod, "DIRECT_CALLS", True)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
     launch_mod.clear_launch_caches()

@@ -30,6 +30,8 @@ import triton
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.interpreter import INTERPRETED
 
+# compiled kernels are called directly only where they run: a CUDA device, not the interpreter
+DIRECT_CALLS = not INTERPRETED and torch.cuda.is_available()
 MAX_SIGNATURES = 4096  # per kernel or launcher; the table is cleared when it fills (keys hold no tensors)
 _Tensor = torch.Tensor
 
@@ -100,7 +102,7 @@ def direct_call_count() -> int:
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)`` (``grid`` a tuple of up to three ints), with the direct
     call of the compiled kernel once this argument signature has been launched."""
-    if INTERPRETED or _hooked():
+    if not DIRECT_CALLS or _hooked():
         kernel[grid](*args, **kwargs)
         return
     values = args + tuple(kwargs.values())
@@ -167,7 +169,7 @@ class _Plan:
         self.positions: tuple[int, ...] = ()  # where each slot's tensor goes in the template
 
     def __call__(self, leaves: list) -> Any:
-        if INTERPRETED or _hooked():
+        if not DIRECT_CALLS or _hooked():
             self.kernel[self.grid](**self.static, **{n: leaves[i] for n, i in zip(self.names, self.slots)})
             return leaves[self.result_slot]
         device = torch._C._cuda_getDevice()
