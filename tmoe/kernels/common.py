@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from tmoe.kernels.dequant import group_dequant, unpack_tile
+
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 
@@ -66,16 +68,20 @@ def moe_tile_matmul(
     mask_n,  # [BN] valid columns
     a_scale_ptrs,  # [BM] pointers to per-row (or per-row-group) activation scales
     b_scale_ptrs,  # [BN] pointers to per-column (or per-column-group) weight scales
+    zp_ptrs,  # [BN] pointers to the columns' zero points (low-bit, HAS_ZP)
+    zp_shift,  # [BN] nibble shift of each column's zero point (int4)
     K,
     stride_ak,
     stride_bk,
     stride_ask,
     stride_bsk,
+    stride_zpk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_K: tl.constexpr,
     QUANT: tl.constexpr,
+    HAS_ZP: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -83,7 +89,9 @@ def moe_tile_matmul(
 
     QUANT: "none"; "scaled" (one scale per row of A and per column of B, broadcast by
     zero strides for per-tensor scales, applied once at the end); "block" (scales per
-    GROUP_K slice of K, applied per K tile; GROUP_K is a multiple of BLOCK_K).
+    GROUP_K slice of K, applied per K tile; GROUP_K is a multiple of BLOCK_K); weight-only
+    "int4", "int8", "mxfp4" (B holds codes, 4-bit: bytes at k // 2; one scale and zero point per
+    column and GROUP_K slice of K, BLOCK_K divides GROUP_K; see dequant.py).
     """
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -100,10 +108,18 @@ def moe_tile_matmul(
             a_s = tl.load(a_scale_ptrs + k_group * stride_ask, mask=mask_m, other=0.0)
             b_s = tl.load(b_scale_ptrs + k_group * stride_bsk, mask=mask_n, other=0.0)
             acc += tl.dot(a, b, input_precision=PRECISION) * a_s[:, None] * b_s[None, :]
-        else:
+        elif QUANT == "none" or QUANT == "scaled":
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        else:
+            b_s, zp = group_dequant(b_scale_ptrs, zp_ptrs, zp_shift, (k * BLOCK_K) // GROUP_K, stride_bsk,
+                                    stride_zpk, mask_n, QUANT, HAS_ZP)  # [BN], [BN]
+            b = unpack_tile(b, offs_k, zp, QUANT, a.dtype)  # [BK, BN]
+            acc += tl.dot(a, b, input_precision=PRECISION) * b_s[None, :]
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        if QUANT == "int4" or QUANT == "mxfp4":
+            b_ptrs += (BLOCK_K // 2) * stride_bk
+        else:
+            b_ptrs += BLOCK_K * stride_bk
     if QUANT == "scaled":
         a_s = tl.load(a_scale_ptrs, mask=mask_m, other=0.0)
         b_s = tl.load(b_scale_ptrs, mask=mask_n, other=0.0)

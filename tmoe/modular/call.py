@@ -15,7 +15,9 @@ class LayerArgs(NamedTuple):
     swigluoai. ``global_num_experts`` (-1: E) with ``expert_map`` (E_global,) int32, global id to
     local id or -1. fp8: ``w1_scale``/``w2_scale`` weight scales, ``a1_scale``/``a2_scale``
     static per-tensor activation scales (None: dynamic). ``apply_router_weight_on_input`` scales
-    the input (topk == 1). ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K): expert biases.
+    the input (topk == 1). ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K): expert biases. Weight-only
+    low-bit (``FusedMoEQuantConfig(weight_dtype=...)``): w1/w2 uint8 in vLLM's packed layouts,
+    ``w1_scale``/``w2_scale`` group scales, ``w1_zp``/``w2_zp`` optional zero points (int4/int8).
     """
 
     hidden_states: torch.Tensor
@@ -33,6 +35,8 @@ class LayerArgs(NamedTuple):
     apply_router_weight_on_input: bool = False
     w1_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
+    w1_zp: torch.Tensor | None = None
+    w2_zp: torch.Tensor | None = None
 
 
 _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "int": "int",

@@ -166,6 +166,7 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
         a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None, workspace13: torch.Tensor,
         workspace2: torch.Tensor, expert_num_tokens: torch.Tensor | None, apply_router_weight_on_input: bool,
         w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+        w1_zp: torch.Tensor | None = None, w2_zp: torch.Tensor | None = None,
     ) -> None:
         """Expert outputs into ``output``; ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K) are optional
-        per-expert biases (GPT-OSS)."""
+        per-expert biases (GPT-OSS); ``w1_zp``/``w2_zp`` optional zero points of int4/int8 weights."""
