@@ -50,7 +50,7 @@ class FusedMoEModularKernel(nn.Module):
     def warmup(self, max_tokens: int, w1: torch.Tensor, w2: torch.Tensor, topk: int, **kwargs) -> None:
         """Compile every kernel variant for 1..max_tokens tokens (powers of two and max_tokens)
         on random data, so nothing JITs during CUDA-graph capture."""
-        e, k = w1.shape[0], w1.shape[2]
+        e, k = w1.shape[0], w2.shape[1]  # w2 (E, K, N): K unpacked in every weight layout
         dtype = kwargs.pop("dtype", torch.bfloat16)
         sizes = sorted({1 << i for i in range(max_tokens.bit_length())} | {max_tokens})
         num_experts = kwargs.get("global_num_experts", -1)

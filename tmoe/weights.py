@@ -127,15 +127,16 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 def quantize_weight_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (E, N, K) float, K even -> (q uint8 (E, N, K / 2) two e2m1 codes per byte, even k low;
-    scale uint8 (E, N, cdiv(K, 32)) e8m0). OCP MX: each block of 32 is scaled by
-    2^(floor(log2(absmax)) - 2) and rounded to the nearest e2m1 value (|v| <= 6)."""
+    scale uint8 (E, N, cdiv(K, 32)) e8m0). Each block of 32 is scaled by 2^ceil(log2(absmax / 6)),
+    the smallest power of two at which no value saturates (OCP MX's floor(log2(absmax)) - 2 clips
+    values above 6 · scale), and rounded to the nearest e2m1 value."""
     wf = _check_weight(w)
     e, n, k = wf.shape
     if k % 2:
         raise ValueError(f"mxfp4 packs two values per byte along K: w must have even K, got shape {tuple(w.shape)}")
     g = _groups(wf, 32)  # [E, N, G, 32]
     absmax = g.abs().amax(-1)
-    exponent = torch.where(absmax > 0, torch.floor(torch.log2(absmax)) - 2, torch.full_like(absmax, -127))
+    exponent = torch.where(absmax > 0, torch.ceil(torch.log2(absmax / 6)), torch.full_like(absmax, -127))
     exponent = exponent.clamp(-127, 127)
     v = (g / torch.exp2(exponent)[..., None]).flatten(-2)[..., :k]  # [E, N, K]
     grid = torch.tensor(_E2M1, device=w.device)

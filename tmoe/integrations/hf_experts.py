@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from tmoe import FusedMoEModularKernel, NoEPPrepareAndFinalize, TritonExperts
+from tmoe import FusedMoEModularKernel, FusedMoEQuantConfig, NoEPPrepareAndFinalize, TritonExperts
+from tmoe.integrations.hf_mxfp4 import deinterleave_rows, mxfp4_mismatch, packed_mxfp4
 
 # Hugging Face activation names whose module computes one of tmoe's gate activations.
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu",
@@ -35,6 +36,7 @@ class ExpertsSpec:
     bias: ``gate_up_proj_bias`` (E, 2I) and ``down_proj_bias`` (E, H).
     swigluoai: attribute names of the (alpha, limit) of GPT-OSS's clamped gating; None: ``act_fn(gate) * up``.
     dbrx: DBRX's ``mlp.w1``/``mlp.v1``/``mlp.w2``, each (E * I, H).
+    mxfp4: GPT-OSS's packed mxfp4 experts (``tmoe.integrations.hf_mxfp4``), run packed.
     """
 
     transposed: bool = False
@@ -42,6 +44,7 @@ class ExpertsSpec:
     bias: bool = False
     swigluoai: tuple[str, str] | None = None
     dbrx: bool = False
+    mxfp4: bool = False
 
     def flags(self) -> dict[str, bool]:
         """The ``@use_experts_implementation`` attributes a class of this layout carries."""
@@ -70,6 +73,7 @@ SUPPORTED_EXPERTS: dict[str, ExpertsSpec] = {
     "Llama4TextExperts": ExpertsSpec(transposed=True),
     "DbrxExperts": ExpertsSpec(dbrx=True),
     "GptOssExperts": ExpertsSpec(transposed=True, interleaved=True, bias=True, swigluoai=("alpha", "limit")),
+    "Mxfp4GptOssExperts": ExpertsSpec(interleaved=True, bias=True, swigluoai=("alpha", "limit"), mxfp4=True),
     "OpenAIPrivacyFilterExperts": ExpertsSpec(transposed=True, bias=True, swigluoai=("alpha", "limit")),
     "MiniMaxM3VLExperts": ExpertsSpec(swigluoai=("swiglu_alpha", "swiglu_limit")),
 }
@@ -97,6 +101,8 @@ def _layout_mismatch(experts: nn.Module, spec: ExpertsSpec) -> str | None:
         shapes = {_shape(mlp, n) for n in ("w1", "v1", "w2")} if mlp is not None else {None}
         ok = len(shapes) == 1 and None not in shapes and e > 0 and next(iter(shapes))[0] % e == 0
         return None if ok else f"mlp.w1/v1/w2 shapes {shapes} are not (E * I, H) with E={e}"
+    if spec.mxfp4:
+        return mxfp4_mismatch(experts)
     w1, w2 = _shape(experts, "gate_up_proj"), _shape(experts, "down_proj")
     if w1 is None or w2 is None or len(w1) != 3 or len(w2) != 3:
         return f"needs 3-D gate_up_proj and down_proj, has {w1} and {w2}"
@@ -144,15 +150,23 @@ class TmoeExperts(nn.Module):
 
     forward(hidden_states (..., H), top_k_index (T, k), top_k_weights (T, k)) -> (..., H), with
     T the number of rows of hidden_states: the call signature of transformers' ``*Experts``.
-    ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) are in tmoe's layout.
+    ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) are in tmoe's layout; mxfp4 experts
+    keep them packed (uint8 (E, 2I, H / 2) and (E, H, I / 2), down_proj a view of the checkpoint's
+    blocks) with e8m0 ``gate_up_proj_scale``/``down_proj_scale``.
     """
 
     def __init__(self, experts: nn.Module) -> None:
         super().__init__()
         spec = SUPPORTED_EXPERTS[type(experts).__name__]
         self.activation = "swigluoai" if spec.swigluoai else _tmoe_activation(_act_fn(experts, spec))
-        self.gate_up_proj_bias = self.down_proj_bias = None
-        if spec.dbrx:
+        self.gate_up_proj_bias = self.down_proj_bias = self.gate_up_proj_scale = self.down_proj_scale = None
+        quant = None
+        if spec.mxfp4:
+            (c1, s1), (c2, s2) = packed_mxfp4(experts, "gate_up_proj"), packed_mxfp4(experts, "down_proj")
+            self.gate_up_proj, self.gate_up_proj_scale = _frozen(deinterleave_rows(c1)), _frozen(deinterleave_rows(s1))
+            self.down_proj, self.down_proj_scale = _frozen(c2), _frozen(s2)
+            quant = FusedMoEQuantConfig(weight_dtype="mxfp4")
+        elif spec.dbrx:
             mlp = experts.mlp
             w1, v1, w2 = (w.view(experts.num_experts, -1, w.shape[-1]) for w in (mlp.w1, mlp.v1, mlp.w2))
             self.gate_up_proj, self.down_proj = _frozen(torch.cat([w1, v1], 1)), _frozen(w2.transpose(1, 2))
@@ -166,7 +180,7 @@ class TmoeExperts(nn.Module):
             b1 = experts.gate_up_proj_bias
             self.gate_up_proj_bias = _frozen(torch.cat([b1[:, 0::2], b1[:, 1::2]], 1)) if spec.interleaved else b1
             self.down_proj_bias = experts.down_proj_bias
-        self.kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
+        self.kernel = FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts(quant))
 
     def run(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             weight_on_input: bool = False) -> torch.Tensor:
@@ -174,7 +188,8 @@ class TmoeExperts(nn.Module):
         expert's input instead of its output (then k must be 1)."""
         return self.kernel(x.contiguous(), self.gate_up_proj, self.down_proj, top_k_weights.float().contiguous(),
                            top_k_index.contiguous(), activation=self.activation, w1_bias=self.gate_up_proj_bias,
-                           w2_bias=self.down_proj_bias, apply_router_weight_on_input=weight_on_input)
+                           w2_bias=self.down_proj_bias, apply_router_weight_on_input=weight_on_input,
+                           w1_scale=self.gate_up_proj_scale, w2_scale=self.down_proj_scale)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
