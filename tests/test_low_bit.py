@@ -284,3 +284,13 @@ def test_gpt_oss_mxfp4_experts_stay_packed(state):
     x = torch.randn(t, h)
     weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k)
     assert_close(swapped(x, ids, weights), stock(x, ids, weights), torch.float32)
+
+
+@pytest.mark.parametrize("quant,group", [("int4", 128), ("mxfp4", 32)])
+def test_tune_candidates_cap_block_k_at_the_group(quant, group):
+    from tmoe.tools.tune import candidates
+
+    for block_m, gated in ((16, True), (64, False)):
+        configs = candidates(block_m, gated, quant)
+        assert configs and all(c.block_k <= group and not c.tma and c.block_m == block_m for c in configs)
+        assert len(set(configs)) == len(configs)
