@@ -98,6 +98,9 @@ def test_low_bit_expert_map(scheme, route):
     emap = half_remote_expert_map(8, DEVICE)
     out, ref = run_case(case, global_num_experts=8, expert_map=emap)
     assert_close(out, ref, torch.float32)
+    ids = make_problem(case.shape, case.dtype, case.routing, seed=case.shape.m + case.group, device=DEVICE).topk_ids
+    all_remote = ~((ids >= 0) & (ids < 8) & (ids % 2 == 0)).any(-1)
+    assert bool(all_remote.any()) and bool((out[all_remote] == 0).all()), "remote-only tokens must be exactly zero"
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[7]], ids=str)

@@ -24,7 +24,7 @@ class FusedMoEModularKernel(nn.Module):
     forward(hidden_states (M, K), w1 (E, 2N, K), w2 (E, K, N), topk_weights (M, topk) float32,
     topk_ids (M, topk) int32/int64, inplace=False, **options) -> (M, K), ``options`` the other
     fields of ``tmoe.modular.LayerArgs`` (activation, global_num_experts, expert_map, scales,
-    biases, apply_router_weight_on_input). Runs as the custom op ``tmoe::modular_forward``, which
+    biases, apply_router_weight_on_input, w1_zp/w2_zp). Runs as the custom op ``tmoe::modular_forward``, which
     receives the kernel by value (``KernelSpec``); M is split in chunks of ``chunk_size`` tokens
     (default ``TMOE_CHUNK_SIZE`` or 32768) when the experts support it, reusing one workspace.
     """
