@@ -90,6 +90,19 @@ def test_low_bit_layer(case, route):
     assert_close(out, ref, case.dtype)
 
 
+@pytest.mark.parametrize("case,block_k", [(Case("int4", 32, True, MoEShape(5, 4, 48, 80, 2), torch.float32), 128),
+                                          (Case("int8", 32, False, MoEShape(6, 4, 40, 72, 2), torch.bfloat16), 64),
+                                          (Case("mxfp4", 32, False, MoEShape(4, 4, 48, 96, 2), torch.float32), 64)],
+                         ids=lambda v: str(v))
+def test_low_bit_several_groups_per_k_step(case, block_k, route):
+    """block_k above the group size: each value is scaled before the dot (K=80, 72 and 96 are
+    not multiples of block_k, so the last step's groups past K are masked)."""
+    tiles = tmoe.GemmConfig(16, 32, block_k, num_stages=2)
+    with tmoe.override_config(tmoe.MoEConfig(tiles, tiles, tiles)):
+        out, ref = run_case(case)
+    assert_close(out, ref, case.dtype)
+
+
 @pytest.mark.parametrize("scheme", ["int4", "mxfp4"])
 def test_low_bit_expert_map(scheme, route):
     """Global E=8, the even experts local: remote and out-of-range slots contribute exactly zero."""
@@ -290,10 +303,11 @@ def test_gpt_oss_mxfp4_experts_stay_packed(state):
 
 
 @pytest.mark.parametrize("quant,group", [("int4", 128), ("mxfp4", 32)])
-def test_tune_candidates_cap_block_k_at_the_group(quant, group):
+def test_tune_candidates_cover_both_dequant_paths(quant, group):
     from tmoe.tools.tune import candidates
 
     for block_m, gated in ((16, True), (64, False)):
         configs = candidates(block_m, gated, quant)
-        assert configs and all(c.block_k <= group and not c.tma and c.block_m == block_m for c in configs)
-        assert len(set(configs)) == len(configs)
+        assert all(not c.tma and c.block_m == block_m for c in configs) and len(set(configs)) == len(configs)
+        assert any(c.block_k <= group for c in configs)
+    assert any(c.block_k > group for c in candidates(16, True, quant))  # small tiles go up to block_k 256

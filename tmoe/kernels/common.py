@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from tmoe.kernels.dequant import group_dequant, unpack_tile
+from tmoe.kernels.dequant import dequant_dot
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
@@ -91,7 +91,7 @@ def moe_tile_matmul(
     zero strides for per-tensor scales, applied once at the end); "block" (scales per
     GROUP_K slice of K, applied per K tile; GROUP_K is a multiple of BLOCK_K); weight-only
     "int4", "int8", "mxfp4" (B holds codes, 4-bit: bytes at k // 2; one scale and zero point per
-    column and GROUP_K slice of K, BLOCK_K divides GROUP_K; see dequant.py).
+    column and GROUP_K slice of K; see dequant.py).
     """
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -110,11 +110,9 @@ def moe_tile_matmul(
             acc += tl.dot(a, b, input_precision=PRECISION) * a_s[:, None] * b_s[None, :]
         elif QUANT == "none" or QUANT == "scaled":
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        else:
-            b_s, zp = group_dequant(b_scale_ptrs, zp_ptrs, zp_shift, (k * BLOCK_K) // GROUP_K, stride_bsk,
-                                    stride_zpk, mask_n, QUANT, HAS_ZP)  # [BN], [BN]
-            b = unpack_tile(b, offs_k, zp, QUANT, a.dtype)  # [BK, BN]
-            acc += tl.dot(a, b, input_precision=PRECISION) * b_s[None, :]
+        else:  # low-bit weights
+            acc = dequant_dot(a, b, acc, b_scale_ptrs, zp_ptrs, zp_shift, k * BLOCK_K, offs_k, K, stride_bsk,
+                              stride_zpk, mask_n, BLOCK_K, GROUP_K, QUANT, HAS_ZP, PRECISION)  # [BM, BN]
         a_ptrs += BLOCK_K * stride_ak
         if QUANT == "int4" or QUANT == "mxfp4":
             b_ptrs += (BLOCK_K // 2) * stride_bk

@@ -1,7 +1,10 @@
 """Jit helpers of the weight-only low-bit GEMMs (layouts: ``gemm_args.WeightScales``): byte
-offsets along K of packed weights, one K group's scales and zero points, and the unpacking of a
-[BK, BN] tile of codes into exact values in the activation dtype. The group scale is applied to
-the float32 product of each K step (BLOCK_K divides the group size: one group per step)."""
+offsets along K of packed weights, the scales and zero points of a K step, the unpacking of a
+[BK, BN] tile of codes into exact float32 values, and the dequantized dot of one K step.
+
+BLOCK_K <= GROUP_K (one group per K step): the codes minus zero points (or e2m1 values) are exact
+in the activation dtype and the group's scale multiplies the step's float32 product. BLOCK_K >
+GROUP_K: each value is scaled in float32, then rounded to the activation dtype for the dot."""
 import triton
 import triton.language as tl
 
@@ -26,18 +29,19 @@ def zero_point_rows(rows, QUANT: tl.constexpr):
 
 
 @triton.jit
-def group_dequant(s_ptrs, zp_ptrs, zp_shift, k_group, stride_sk, stride_zpk, mask_n,
+def group_dequant(s_ptrs, zp_ptrs, zp_shift, k_group, stride_sk, stride_zpk, mask,
                   QUANT: tl.constexpr, HAS_ZP: tl.constexpr):
-    """(scale float32 [BN], zero point int32 [BN]) of K group ``k_group`` for the tile's columns:
-    mxfp4 scales are e8m0 bytes, 2^(s - 127); zero points default to 8 (int4) and 128 (int8)."""
-    s = tl.load(s_ptrs + k_group * stride_sk, mask=mask_n, other=0)  # [BN]
+    """(scale float32, zero point int32) of K groups ``k_group`` (a scalar: [1, BN]; [BK, 1]:
+    [BK, BN]) of the tile's columns (``s_ptrs``, ``zp_ptrs``, ``zp_shift`` [1, BN]): mxfp4 scales
+    are e8m0 bytes, 2^(s - 127); zero points default to 8 (int4) and 128 (int8)."""
+    s = tl.load(s_ptrs + k_group * stride_sk, mask=mask, other=0)
     zp = s.to(tl.int32) * 0
     if QUANT == "mxfp4":
         scale = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     else:
         scale = s.to(tl.float32)
         if HAS_ZP:
-            zp = tl.load(zp_ptrs + k_group * stride_zpk, mask=mask_n, other=0).to(tl.int32)
+            zp = tl.load(zp_ptrs + k_group * stride_zpk, mask=mask, other=0).to(tl.int32)
             if QUANT == "int4":
                 zp = (zp >> zp_shift) & 0xF
         elif QUANT == "int4":
@@ -48,9 +52,10 @@ def group_dequant(s_ptrs, zp_ptrs, zp_shift, k_group, stride_sk, stride_zpk, mas
 
 
 @triton.jit
-def unpack_tile(q, offs_k, zp, QUANT: tl.constexpr, DTYPE: tl.constexpr):
-    """[BK, BN] uint8 codes -> values before the group scale, exact in DTYPE: q - zp (int4/int8)
-    or the e2m1 value (mxfp4). 4-bit: ``q`` holds bytes; logical k's nibble is k % 2, low first."""
+def unpack_tile(q, offs_k, zp, QUANT: tl.constexpr):
+    """[BK, BN] uint8 codes -> float32 values before the group scale: q - zp (int4/int8, ``zp``
+    [1, BN] or [BK, BN]) or the e2m1 value (mxfp4). 4-bit: ``q`` holds bytes; logical k's nibble
+    is k % 2, low first."""
     q = q.to(tl.int32)
     if QUANT == "int4" or QUANT == "mxfp4":
         q = (q >> ((offs_k % 2) * 4)[:, None]) & 0xF
@@ -60,5 +65,25 @@ def unpack_tile(q, offs_k, zp, QUANT: tl.constexpr, DTYPE: tl.constexpr):
         bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000)  # subnormal: 0 or 0.5
         v = (bits | ((q & 8) << 28)).to(tl.float32, bitcast=True)
     else:
-        v = (q - zp[None, :]).to(tl.float32)
-    return v.to(DTYPE)
+        v = (q - zp).to(tl.float32)
+    return v
+
+
+@triton.jit
+def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, offs_k, K, stride_sk, stride_zpk, mask_n,
+                BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """acc + a @ dequant(q) in float32 for the K step at ``k0``: a [BM, BK], q [BK, BN] codes,
+    ``s_ptrs``/``zp_ptrs``/``zp_shift``/``mask_n`` [BN] of the tile's columns."""
+    if BLOCK_K <= GROUP_K:
+        s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], k0 // GROUP_K, stride_sk,
+                              stride_zpk, mask_n[None, :], QUANT, HAS_ZP)  # [1, BN]
+        b = unpack_tile(q, offs_k, zp, QUANT).to(a.dtype)  # [BK, BN]
+        acc += tl.dot(a, b, input_precision=PRECISION) * s
+    else:
+        mask = mask_n[None, :] & ((k0 + offs_k) < K)[:, None]  # [BK, BN]: no group past K
+        s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], ((k0 + offs_k) // GROUP_K)[:, None],
+                              stride_sk, stride_zpk, mask, QUANT, HAS_ZP)  # [BK, BN]
+        b = (unpack_tile(q, offs_k, zp, QUANT) * s).to(a.dtype)  # [BK, BN]
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc

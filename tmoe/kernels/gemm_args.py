@@ -55,14 +55,12 @@ def _weight_scale_args(ws: WeightScales, a: torch.Tensor, w: torch.Tensor) -> di
     return args
 
 
-def fit_weight_groups(config: GemmConfig, scales: Scales | WeightScales | None) -> GemmConfig:
-    """Low-bit weights: block_k at most the group size (so it divides it, both powers of two: one
-    scale per K step) and no TMA (the kernel unpacks pointer-loaded bytes)."""
-    if not isinstance(scales, WeightScales):
+def fit_low_bit(config: GemmConfig, scales: Scales | WeightScales | None) -> GemmConfig:
+    """Low-bit weights load their bytes by pointers (the kernel unpacks them): no TMA. Any block_k
+    fits: block_k and the group size are powers of two, so one divides the other (dequant.py)."""
+    if not isinstance(scales, WeightScales) or not config.tma:
         return config
-    if config.block_k <= scales.group_size and not config.tma:
-        return config
-    return replace(config, block_k=min(config.block_k, scales.group_size), tma=False)
+    return replace(config, tma=False)
 
 
 def scale_args(scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> dict:

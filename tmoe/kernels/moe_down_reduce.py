@@ -14,9 +14,9 @@ import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
-from tmoe.kernels.dequant import group_dequant, unpack_tile, weight_k, zero_point_rows
+from tmoe.kernels.dequant import dequant_dot, weight_k, zero_point_rows
 from tmoe.kernels.gemm_args import (
-    Scales, WeightScales, fit_shared_memory, fit_weight_groups, scale_args, shared_memory_budget,
+    Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 
@@ -88,11 +88,12 @@ def _moe_down_reduce_kernel(
         if QUANT == "none":
             acc += tl.dot(a, b, input_precision=PRECISION) * scale
         elif QUANT == "int4" or QUANT == "int8" or QUANT == "mxfp4":
-            b_s, zp = group_dequant(w_scale_ptr + safe_expert * stride_wse + offs_n * stride_wsn,
-                                    w_zp_ptr + safe_expert * stride_zpe + zp_rows * stride_zpn, zp_shift,
-                                    k0 // GROUP_K, stride_wsk, stride_zpk, mask_n & computed, QUANT, HAS_ZP)  # [BN]
-            b = unpack_tile(b, offs_k, zp, QUANT, a.dtype)  # [BK, BN]
-            acc += tl.dot(a, b, input_precision=PRECISION) * (scale * b_s)[None, :]
+            part = dequant_dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                               w_scale_ptr + safe_expert * stride_wse + offs_n * stride_wsn,
+                               w_zp_ptr + safe_expert * stride_zpe + zp_rows * stride_zpn, zp_shift, k0, offs_k, K,
+                               stride_wsk, stride_zpk, mask_n & computed, BLOCK_K, GROUP_K, QUANT, HAS_ZP,
+                               PRECISION)  # [BM, BN]
+            acc += part * scale
         else:
             part = tl.dot(a, b, input_precision=PRECISION)  # [BM, BN]
             if QUANT == "block":
@@ -147,7 +148,7 @@ def moe_down_reduce(
     if m == 0 or n_out == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), gated=False, budget=shared_memory_budget(a.device))
-    config = fit_weight_groups(config, scales)
+    config = fit_low_bit(config, scales)
     sargs = scale_args(scales, a, w, config)
     sargs.pop("stride_ase")
     grid = (m * cdiv(n_out, config.block_n),)

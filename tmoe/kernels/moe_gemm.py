@@ -23,7 +23,7 @@ from tmoe.kernels.common import (
 )
 from tmoe.kernels.dequant import weight_k, zero_point_rows
 from tmoe.kernels.gemm_args import (
-    Scales, WeightScales, fit_shared_memory, fit_weight_groups, scale_args, shared_memory_budget, uniform_w_scale,
+    Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget, uniform_w_scale,
     weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
@@ -234,7 +234,7 @@ def invoke_moe_gemm(
     if num_pid_m == 0 or n == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), gated, shared_memory_budget(a.device))
-    config = fit_weight_groups(config, scales)
+    config = fit_low_bit(config, scales)
     if out_scale is not None:
         group_out = fused_quant_group(n, out_scale.shape[-1], config, gated)
         os_st = (out_scale.stride(0) if batched else 0, out_scale.stride(-2), out_scale.stride(-1))

@@ -6,8 +6,9 @@ weights quantized as checkpoints carry them, and the up GEMM is timed together w
 intermediate's quantization (in its epilogue when the tile allows, else the quant stage).
 Results are written after every M, and M values already in the output file are skipped, so
 an interrupted run resumes. Weight-only low-bit (``--quant int4|int8|mxfp4``): weights as
-``tmoe.tools.low_bit`` quantizes them for the bench (group 128; mxfp4 32), block_k capped at the
-group, pointer loads only; tables named ``dtype=int4_w4a16`` etc. ``--direct`` tunes the decode path's down GEMM (fused top-k
+``tmoe.tools.low_bit`` quantizes them for the bench (group 128; mxfp4 32), tiles with block_k
+above and at most the group (two dequantization paths), pointer loads only; tables named
+``dtype=int4_w4a16`` etc. ``--direct`` tunes the decode path's down GEMM (fused top-k
 reduce) at the given M values of an existing table, adding ``direct_down`` to those rows.
 ``--tma`` times the rows of an existing table at the given M values against the TMA-weight
 candidates of the same block_m and keeps the fastest; it can be run again (not resumable).
@@ -70,9 +71,9 @@ def candidates(block_m: int, gated: bool, quant: str = "none",
                tma: tuple[bool, ...] | None = None) -> list[GemmConfig]:
     """Tile configs to time; ``tma`` None: pointer loads, and TMA weight tiles too from block_m 64
     (on smaller tiles TMA was within 1% in the H200 retune)."""
-    if quant in LOW_BIT:  # block_k capped at the group, not filtered: the K loop unpacks pointer loads
+    if quant in LOW_BIT:  # each tile, and with block_k capped at the group (one scale per K step); no TMA
         tiles = SMALL_TILES if block_m <= 32 else LARGE_TILES
-        tiles = sorted({(bn, min(bk, LOW_BIT[quant]), w, s) for bn, bk, w, s in tiles})
+        tiles = sorted(set(tiles) | {(bn, min(bk, LOW_BIT[quant]), w, s) for bn, bk, w, s in tiles})
         return [GemmConfig(block_m, bn, bk, 8, w, s) for bn, bk, w, s in tiles if not (gated and bn > 128)]
     if quant == "none":
         tiles = SMALL_TILES if block_m <= 32 else LARGE_TILES
@@ -211,10 +212,9 @@ def tune_direct_down(m: int, p: Problem) -> tuple[GemmConfig, float]:
     weights = torch.rand(m, topk, device="cuda")
     inter_q, inter_scale = p.quantize(torch.randn(m * topk, n, device="cuda", dtype=torch.bfloat16))
     out = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-    cap = _k_cap(p.quant)
-    tiles = DIRECT_DOWN_TILES
+    tiles, cap = DIRECT_DOWN_TILES, _k_cap(p.quant)
     if p.quant in LOW_BIT:
-        tiles = sorted({(bn, min(bk, cap), w, s) for bn, bk, w, s in tiles})
+        tiles, cap = sorted(set(tiles) | {(bn, min(bk, cap), w, s) for bn, bk, w, s in tiles}), 1 << 30
     configs = [GemmConfig(16, bn, bk, 8, w, s) for bn, bk, w, s in tiles if bk <= cap]
     us, cfg = _fastest(configs, lambda c: moe_down_reduce(inter_q, p.w2, out, ids, e, c, topk_weights=weights,
                                                           scales=p.scales(inter_scale, p.w2_scale, p.w2_zp)))
