@@ -258,13 +258,15 @@ class _Swizzled:
 def test_gpt_oss_mxfp4_experts_stay_packed(state):
     """transformers' Mxfp4GptOssExperts cannot load real weights on CPU (its loader swizzles them
     with triton_kernels on a GPU), so the module gets synthetic tensors in each layout it can
-    hold. The swap keeps them packed (down_proj shares the blocks' memory) and matches stock
+    hold: the checkpoint's blocks (the experts swapped alone), and stand-ins for the swizzled
+    triton_kernels tensors inside transformers' Mxfp4GptOssMLP (the block swapped around its
+    router). The swap keeps them packed (down_proj a view of the blocks) and matches stock
     GptOssExperts on transformers' own dequantization of the same blocks."""
     transformers = pytest.importorskip("transformers")
-    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts, convert_moe_packed_tensors
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts, Mxfp4GptOssMLP, convert_moe_packed_tensors
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 
-    from tmoe.integrations.transformers import TmoeExperts, replace_moe_blocks
+    from tmoe.integrations.transformers import TmoeExperts, TmoeMxfp4GptOssMLP, replace_moe_blocks
 
     e, h, i, t, k = 4, 64, 96, 7, 2
     config = transformers.GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e,
@@ -289,17 +291,29 @@ def test_gpt_oss_mxfp4_experts_stay_packed(state):
             del packed._parameters[proj]
             setattr(packed, proj, _Swizzled(blocks.flatten(2)))
             setattr(packed, f"{proj}_precision_config", type("PC", (), {"weight_scale": _Swizzled(scales)})())
-    holder = torch.nn.Module()
-    holder.experts = packed
-    assert replace_moe_blocks(holder, strict=True) == 1
-    swapped = holder.experts
-    assert isinstance(swapped, TmoeExperts) and swapped.gate_up_proj.dtype == torch.uint8
-    assert swapped.down_proj.shape == (e, h, i // 2)
-    if state == "checkpoint":
-        assert swapped.down_proj.data_ptr() == ckpt["down_proj_blocks"].data_ptr(), "down_proj must be a view"
     x = torch.randn(t, h)
-    weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k)
-    assert_close(swapped(x, ids, weights), stock(x, ids, weights), torch.float32)
+    holder = torch.nn.Module()
+    if state == "checkpoint":  # the experts alone (as an expert-parallel hook calls them)
+        holder.experts = packed
+        assert replace_moe_blocks(holder, strict=True) == 1
+        swapped = holder.experts
+        assert swapped.down_proj.data_ptr() == ckpt["down_proj_blocks"].data_ptr(), "down_proj must be a view"
+        weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k)
+        out, ref = swapped(x, ids, weights), stock(x, ids, weights)
+    else:  # inside the block transformers builds, which routes with triton_kernels: replaced around its router
+        router = GptOssTopKRouter(config)
+        torch.nn.init.normal_(router.weight)
+        holder.mlp = Mxfp4GptOssMLP(router, packed)
+        assert replace_moe_blocks(holder, strict=True) == 1
+        assert isinstance(holder.mlp, TmoeMxfp4GptOssMLP) and holder.mlp.router is router
+        swapped = holder.mlp.experts
+        out, logits = holder.mlp(x.view(1, t, h))
+        ref_logits, scores, ids = router(x)
+        assert torch.equal(logits, ref_logits)
+        out, ref = out.view(t, h), stock(x, ids, scores)
+    assert isinstance(swapped, TmoeExperts) and swapped.gate_up_proj.dtype == torch.uint8
+    assert swapped.gate_up_proj.shape == (e, 2 * i, h // 2) and swapped.down_proj.shape == (e, h, i // 2)
+    assert_close(out, ref, torch.float32)
 
 
 @pytest.mark.parametrize("quant,group", [("int4", 128), ("mxfp4", 32)])

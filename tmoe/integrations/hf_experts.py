@@ -220,3 +220,21 @@ class TmoeLlama4TextMoe(nn.Module):
         out = self.shared_expert(x)
         out.add_(routed.view(t, k, self.hidden_dim).sum(1))
         return out, router_logits
+
+
+class TmoeMxfp4GptOssMLP(nn.Module):
+    """transformers' ``Mxfp4GptOssMLP`` on tmoe: that block hands its experts triton_kernels routing
+    data (``forward_routed``), so the block is replaced around its own router, whose softmax over
+    the top-k logits is the same routing. forward(hidden_states (B, S, H)) -> ((B, S, H), router_logits (T, E))."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.router = block.router
+        self.experts = TmoeExperts(block.experts)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, hidden_dim = hidden_states.shape[0], self.router.hidden_dim
+        x = hidden_states.reshape(-1, hidden_dim)
+        router_logits, router_scores, router_indices = self.router(x)
+        out = self.experts(x, router_indices, router_scores)
+        return out.reshape(batch_size, -1, hidden_dim), router_logits
