@@ -125,6 +125,15 @@ def test_low_bit_batched(case):
     assert_close(out, ref, case.dtype)
 
 
+def test_low_bit_batched_expert_map():
+    """Batched format, global E=8 with the even experts local (4 batches), int8 with zero points."""
+    case = Case("int8", 32, True, MoEShape(9, 8, 48, 64, 2), torch.float32, "out_of_range")
+    emap = half_remote_expert_map(8, DEVICE)
+    kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(18, 4), tmoe.BatchedTritonExperts(18, case.config))
+    out, ref = run_case(case, kernel, global_num_experts=8, expert_map=emap)
+    assert_close(out, ref, torch.float32)
+
+
 def test_low_bit_compiles_once():
     """fullgraph + dynamic: one graph over M for int4 with zero points, equal to eager."""
     case = Case("int4", 32, True, MoEShape(1, 4, 48, 64, 4), torch.float32)
