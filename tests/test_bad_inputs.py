@@ -62,6 +62,25 @@ def _fp8_weights_no_config():
     return tmoe.fused_experts(p.x, w1q, w2q, p.topk_weights, p.topk_ids, w1_scale=s1, w2_scale=s2)
 
 
+def _low_bit(weight_dtype: str, **overrides) -> Callable[[], object]:
+    """fused_experts on a small problem quantized to ``weight_dtype`` (int4/int8 with zero points,
+    group 32), some arguments replaced: a value, or a function of the problem and the arguments."""
+    def call():
+        p = _p()
+        if weight_dtype == "mxfp4":
+            (q1, s1), (q2, s2) = tmoe.quantize_weight_mxfp4(p.w1), tmoe.quantize_weight_mxfp4(p.w2)
+            z1 = z2 = None
+        else:
+            quantize = tmoe.quantize_weight_int4 if weight_dtype == "int4" else tmoe.quantize_weight_int8
+            (q1, s1, z1), (q2, s2, z2) = quantize(p.w1, 32), quantize(p.w2, 32)
+        args = dict(hidden_states=p.x, w1=q1, w2=q2, topk_weights=p.topk_weights, topk_ids=p.topk_ids,
+                    w1_scale=s1, w2_scale=s2, w1_zp=z1, w2_zp=z2,
+                    quant_config=tmoe.FusedMoEQuantConfig(weight_dtype=weight_dtype, group_size=32))
+        args.update({k: (v(p, args) if callable(v) else v) for k, v in overrides.items()})
+        return tmoe.fused_experts(**args)
+    return call
+
+
 def _static_scale(value: float, name: str):
     def call():
         p = _p()
@@ -182,6 +201,26 @@ ROWS = [
     Row("fp8-weights-no-quant-config", _fp8_weights_no_config, TypeError, "pass a quant_config"),
     Row("fp8-missing-w1_scale", _fp8_no_scale, ValueError, "w1_scale"),
     Row("fp8-block-not-dividing-n", _fp8_block_mismatch, ValueError, r"block_shape\[1\]=32 .* N=48"),
+    Row("int4-w1-unpacked", _low_bit("int4", w1=lambda p, a: a["w1"].repeat(1, 1, 2)), ValueError,
+        r"w1 must be int4 codes of shape \(4, 128, 32\)"),
+    Row("int4-w2-unpacked", _low_bit("int4", w2=lambda p, a: a["w2"].repeat(1, 1, 2)), ValueError,
+        r"w2 must be int4 codes of shape \(4, 64, 32\)"),
+    Row("int4-float-weights", _low_bit("int4", w1=lambda p, a: p.w1), TypeError, "w1 must have dtype in .*uint8"),
+    Row("int4-missing-w2_scale", _low_bit("int4", w2_scale=None), ValueError, "int4 experts need w2_scale"),
+    Row("int4-scale-shape", _low_bit("int4", w1_scale=lambda p, a: a["w1_scale"][..., :1]), ValueError,
+        r"w1_scale must have shape \(4, 128, 2\)"),
+    Row("int8-scale-int", _low_bit("int8", w2_scale=lambda p, a: a["w2_scale"].int()), TypeError,
+        "w2_scale must have dtype"),
+    Row("int4-zp-unpacked", _low_bit("int4", w1_zp=lambda p, a: a["w1_zp"].repeat(1, 2, 1)), ValueError,
+        r"w1_zp must have shape \(4, 64, 2\)"),
+    Row("int4-static-activation-scale", _low_bit("int4", a1_scale=lambda p, a: torch.ones(1, device=DEVICE)),
+        ValueError, "a1_scale/a2_scale are fp8 activation scales"),
+    Row("zp-without-scheme", _fe(w1_zp=lambda p: torch.zeros(E, N, 2, dtype=torch.uint8, device=DEVICE)),
+        ValueError, "w1_zp/w2_zp are zero points of int4/int8 weights"),
+    Row("mxfp4-zp", _low_bit("mxfp4", w2_zp=lambda p, a: torch.zeros(E, K // 2, 2, dtype=torch.uint8, device=DEVICE)),
+        ValueError, "mxfp4 weights have no zero points"),
+    Row("mxfp4-float-scale", _low_bit("mxfp4", w1_scale=lambda p, a: a["w1_scale"].float()), TypeError,
+        "w1_scale must have dtype in .*uint8"),
     Row("a1_scale-zero", _static_scale(0.0, "a1_scale"), ValueError, "a1_scale must be a positive finite scale"),
     Row("a2_scale-negative", _static_scale(-1.0, "a2_scale"), ValueError, "a2_scale must be a positive"),
     Row("inplace-leaf-requires-grad", _inplace(lambda p: p.x.clone().requires_grad_(True)), RuntimeError,
@@ -202,6 +241,21 @@ ROWS = [
         "block_shape"),
     Row("block_shape-k-not-pow2", lambda: tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(128, 96)),
         ValueError, r"block_shape\[1\]"),
+    Row("weight_dtype-unknown", lambda: tmoe.FusedMoEQuantConfig(weight_dtype="int3", group_size=32), ValueError,
+        "weight_dtype must be"),
+    Row("weight_dtype-no-group_size", lambda: tmoe.FusedMoEQuantConfig(weight_dtype="int4"), ValueError,
+        "group_size"),
+    Row("group_size-not-pow2", lambda: tmoe.FusedMoEQuantConfig(weight_dtype="int8", group_size=48), ValueError,
+        "group_size"),
+    Row("mxfp4-group_size", lambda: tmoe.FusedMoEQuantConfig(weight_dtype="mxfp4", group_size=64), ValueError,
+        "group_size must be 32"),
+    Row("weight_dtype-with-fp8", lambda: tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, weight_dtype="int4",
+                                                                  group_size=32), ValueError, "weight-only"),
+    Row("group_size-alone", lambda: tmoe.FusedMoEQuantConfig(group_size=32), ValueError, "needs a weight_dtype"),
+    Row("quantize-int4-odd-k", lambda: tmoe.quantize_weight_int4(torch.randn(2, 4, 33), 32), ValueError, "even"),
+    Row("mxfp4-blocks-shape", lambda: tmoe.mxfp4_from_blocks(torch.zeros(2, 4, 3, 16, dtype=torch.uint8),
+                                                             torch.zeros(2, 4, 2, dtype=torch.uint8)), ValueError,
+        "blocks"),
     Row("batched-capacity-zero", lambda: tmoe.BatchedPrepareAndFinalize(0, 2), ValueError, "max_num_tokens"),
     Row("batched-capacity-mismatch", _modular(lambda: tmoe.BatchedPrepareAndFinalize(6, 2),
                                               lambda: tmoe.BatchedTritonExperts(8)), ValueError, "capacity"),

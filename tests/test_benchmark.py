@@ -234,3 +234,32 @@ def test_ceilings_line_names_the_best_and_every_trial():
     line = c.describe()
     assert "copy 4.20 TB/s, read 4.60 TB/s, bf16 matmul 790 TFLOP/s, fp8 matmul 1400 TFLOP/s" in line
     assert "best of 2" in line and "copy 4.10, 4.20" in line and "fp8 1300.00, 1400.00" in line
+
+
+def test_low_bit_floor_counts_the_scheme_bytes():
+    """int4 (group 128, zero points): a quarter of bf16's weight bytes plus scales and zero points."""
+    from tmoe.tools.low_bit import value_bytes
+
+    assert value_bytes("int4") == 0.5 + 2.5 / 128 and value_bytes("mxfp4") == 0.5 + 1 / 32
+    assert value_bytes("int8") == 1 + 2 / 128 and value_bytes("bf16") == 2
+    bf16, _ = bm.layer_traffic(SMALL, m=3, touched=3)
+    int4, _ = bm.layer_traffic(SMALL, m=3, touched=3, weight_bytes=value_bytes("int4"))
+    acts = 2 * 3 * SMALL.k * 2
+    assert int4 - acts == pytest.approx((bf16 - acts) * value_bytes("int4") / 2)
+    assert bm.parse_args(["--dtype", "mxfp4"]).dtype == "mxfp4"
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8", "mxfp4"])
+def test_low_bit_providers_match_reference(dtype):
+    from tmoe.tools.low_bit import low_bit_providers
+    from tmoe.tools.peers import RoutedInputs
+
+    e, n, k, m, topk = 4, 32, 128, 3, 2
+    w1, w2 = torch.randn(e, 2 * n, k) / k**0.5, torch.randn(e, k, n) / n**0.5
+    weights, ids = torch.topk(torch.randn(m, e).softmax(-1), topk)
+    r = RoutedInputs(torch.randn(m, k), weights, ids.int())
+    low_bit, full = low_bit_providers(w1, w2, dtype, ("tmoe",))
+    assert (low_bit.name, full.name) == ("tmoe", "tmoe_bf16")
+    ref = moe_reference(r.x, w1, w2, r.topk_weights, r.topk_ids)
+    assert rel_error(full.fn(r), ref) < 1e-5
+    assert rel_error(low_bit.fn(r), ref) < (0.2 if dtype != "int8" else 0.02)  # the weights' own rounding

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import tmoe
+from tmoe.modular.call import LayerArgs
 from tmoe.testing.strategies import MoEShape, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,12 +21,12 @@ def _cases():
     inter = torch.randn(9 * 2, 64, device=DEVICE)
     y = torch.randn(9, 2, 72, device=DEVICE)
     b1, b2 = torch.randn(4, 128, device=DEVICE), torch.randn(4, 72, device=DEVICE)
-    layer = (p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, "silu", -1, None, None, None, None, None, False, b1, b2,
-             None, None, False)
-    oai = (*layer[:5], "swigluoai", *layer[6:15], 1.3, 0.5, True)  # alpha, limit, interleaved gate/up rows
+    layer = tuple(LayerArgs(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, w1_bias=b1, w2_bias=b2))
+    oai = tuple(LayerArgs(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, "swigluoai", w1_bias=b1, w2_bias=b2,
+                          swiglu_alpha=1.3, swiglu_limit=0.5, gate_up_interleaved=True))
     w1n = p.w1[:, :64].contiguous()  # (E, N, K) for a non-gated activation
-    relu2 = (p.x, w1n, p.w2, p.topk_weights, p.topk_ids, "relu2_no_mul", *layer[6:13], b1[:, :64].contiguous(), b2,
-             None, None, False)
+    relu2 = tuple(LayerArgs(p.x, w1n, p.w2, p.topk_weights, p.topk_ids, "relu2_no_mul",
+                            w1_bias=b1[:, :64].contiguous(), w2_bias=b2))
     noep = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts()).spec.as_args()
     batched = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(18, 4), tmoe.BatchedTritonExperts(18),
                                          chunk_size=4).spec.as_args()
@@ -44,7 +45,28 @@ def _cases():
         "modular_forward_swigluoai": (torch.ops.tmoe.modular_forward, (*oai, *noep)),
         "modular_forward_no_mul": (torch.ops.tmoe.modular_forward, (*relu2, *noep)),
         "modular_forward_no_mul_batched": (torch.ops.tmoe.modular_forward, (*relu2, *batched)),
+        **_low_bit_cases(p, emap),
         "topk_route": (torch.ops.tmoe.topk_route, (torch.randn(9, 4, device=DEVICE), 2)),
+    }
+
+
+def _low_bit_cases(p, emap) -> dict:
+    """The layer op with int4 weights and zero points (expert_map, two experts local) and mxfp4 weights."""
+    q1, s1, z1 = tmoe.quantize_weight_int4(p.w1[:2], 32)
+    q2, s2, z2 = tmoe.quantize_weight_int4(p.w2[:2], 32)
+    int4 = LayerArgs(p.x, q1, q2, p.topk_weights, p.topk_ids, global_num_experts=4, expert_map=emap, w1_scale=s1,
+                     w2_scale=s2, w1_zp=z1, w2_zp=z2)
+    (m1, t1), (m2, t2) = tmoe.quantize_weight_mxfp4(p.w1), tmoe.quantize_weight_mxfp4(p.w2)
+    mxfp4 = LayerArgs(p.x, m1, m2, p.topk_weights, p.topk_ids, w1_scale=t1, w2_scale=t2)
+
+    def spec(quant):
+        return tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts(quant)).spec.as_args()
+
+    return {
+        "modular_forward_int4": (torch.ops.tmoe.modular_forward,
+                                 (*int4, *spec(tmoe.FusedMoEQuantConfig(weight_dtype="int4", group_size=32)))),
+        "modular_forward_mxfp4": (torch.ops.tmoe.modular_forward,
+                                  (*mxfp4, *spec(tmoe.FusedMoEQuantConfig(weight_dtype="mxfp4")))),
     }
 
 

@@ -77,11 +77,13 @@ def fused_experts(
         hidden_states: (M, K) float16/bfloat16/float32.
         w1: (E, 2N, K), gate rows then up rows ((E, N, K) for a *_no_mul activation); w2:
             (E, K, N). Same dtype as hidden_states, or float8_e4m3fn with ``quant_config`` and
-            ``w1_scale``/``w2_scale``.
+            ``w1_scale``/``w2_scale``, or uint8 int4/int8/mxfp4 codes in vLLM's packed layouts
+            (``FusedMoEQuantConfig(weight_dtype=...)``, group scales ``w1_scale``/``w2_scale``,
+            optional zero points ``w1_zp``/``w2_zp``; README).
         topk_weights: (M, topk) float32; topk_ids: (M, topk) int32/int64. Ids outside
             [0, E) contribute exactly 0.
         inplace: write the result into ``hidden_states`` (refused if it requires grad).
-        quant_config: ``tmoe.FusedMoEQuantConfig`` (fp8 schemes); None: unquantized.
+        quant_config: ``tmoe.FusedMoEQuantConfig`` (fp8 or weight-only low-bit schemes); None: unquantized.
         **options: the other fields of ``tmoe.modular.LayerArgs``: ``activation`` (gated: "silu",
             "gelu", "gelu_tanh", "swigluoai"; non-gated: "silu_no_mul", "gelu_no_mul",
             "relu2_no_mul"), ``swiglu_alpha``/``swiglu_limit`` (swigluoai's alpha and limit,
@@ -90,7 +92,8 @@ def fused_experts(
             ``global_num_experts`` and ``expert_map`` (expert parallelism: (E_global,) int32, global
             id to local id or -1), ``w1_scale``/``w2_scale``,
             ``a1_scale``/``a2_scale`` (static per-tensor fp8 activation scales),
-            ``apply_router_weight_on_input`` (topk == 1), ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K).
+            ``apply_router_weight_on_input`` (topk == 1), ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K),
+            ``w1_zp``/``w2_zp`` (int4/int8 zero points).
 
     Returns:
         (M, K) tensor in hidden_states.dtype.

@@ -27,7 +27,7 @@ class FusedMoEModularKernel(nn.Module):
     forward(hidden_states (M, K), w1 (E, 2N, K), w2 (E, K, N), topk_weights (M, topk) float32,
     topk_ids (M, topk) int32/int64, inplace=False, **options) -> (M, K), ``options`` the other
     fields of ``tmoe.modular.LayerArgs`` (activation, global_num_experts, expert_map, scales,
-    biases, apply_router_weight_on_input). Runs as the custom op ``tmoe::modular_forward``, which
+    biases, apply_router_weight_on_input, w1_zp/w2_zp). Runs as the custom op ``tmoe::modular_forward``, which
     receives the kernel by value (``KernelSpec``); M is split in chunks of ``chunk_size`` tokens
     (default ``TMOE_CHUNK_SIZE`` or 32768) when the experts support it, reusing one workspace.
     """
@@ -53,7 +53,7 @@ class FusedMoEModularKernel(nn.Module):
     def warmup(self, max_tokens: int, w1: torch.Tensor, w2: torch.Tensor, topk: int, **kwargs) -> None:
         """Compile every kernel variant for 1..max_tokens tokens (powers of two and max_tokens)
         on random data, so nothing JITs during CUDA-graph capture."""
-        e, k = w1.shape[0], w1.shape[2]
+        e, k = w1.shape[0], w2.shape[1]  # w2 (E, K, N): K unpacked in every weight layout
         dtype = kwargs.pop("dtype", torch.bfloat16)
         sizes = sorted({1 << i for i in range(max_tokens.bit_length())} | {max_tokens})
         num_experts = kwargs.get("global_num_experts", -1)

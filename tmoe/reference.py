@@ -222,3 +222,48 @@ def dequantize_fp8_reference(
         for dim, block in enumerate(block_shape, start=q.dim() - len(block_shape)):
             s = s.repeat_interleave(block, dim=dim).narrow(dim, 0, q.shape[dim])
     return q.float() * s
+
+
+# Weight-only low-bit layouts (vLLM's fused_moe_kernel_gptq_awq; OCP mxfp4 as GPT-OSS ships it).
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def pack_int4_reference(q: torch.Tensor) -> torch.Tensor:
+    """(..., 2J) codes in [0, 16) -> (..., J) uint8: element 2j in the low nibble, 2j + 1 in the high."""
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4_reference(packed: torch.Tensor) -> torch.Tensor:
+    """(..., J) uint8 -> (..., 2J) uint8 codes; inverse of ``pack_int4_reference``."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
+
+
+def _per_group(s: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
+    """(..., cdiv(k, g)) -> (..., k): each group's value repeated over its (last: ragged) group."""
+    return s.repeat_interleave(group_size, dim=-1)[..., :k]
+
+
+def dequantize_int_reference(
+    w: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, group_size: int, bits: int
+) -> torch.Tensor:
+    """float32 (E, rows, K) = (q - zp) * scale of int4 (``bits`` 4: w (E, rows, K / 2), zero points
+    (E, rows / 2, groups) two rows per byte) or int8 (w (E, rows, K), zero points (E, rows, groups))
+    weights; scales (E, rows, groups), groups = cdiv(K, group_size); no zero points: 8 or 128."""
+    q = (unpack_int4_reference(w) if bits == 4 else w).int()
+    if zero_point is None:
+        zp = torch.full_like(scale, 1 << (bits - 1), dtype=torch.int32)
+    elif bits == 4:
+        zp = unpack_int4_reference(zero_point.transpose(1, 2)).transpose(1, 2).int()
+    else:
+        zp = zero_point.int()
+    k = q.shape[-1]
+    return (q - _per_group(zp, group_size, k)).float() * _per_group(scale.float(), group_size, k)
+
+
+def dequantize_mxfp4_reference(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 (E, rows, K) = e2m1(q) * 2^(s - 127): w (E, rows, K / 2) uint8 two e2m1 codes per
+    byte (even k low), scale (E, rows, cdiv(K, 32)) uint8 e8m0."""
+    values = torch.tensor(E2M1_VALUES, device=w.device)[unpack_int4_reference(w).long()]
+    exponent = _per_group(scale.int() - 127, 32, values.shape[-1])
+    return torch.ldexp(values, exponent.float())

@@ -18,7 +18,8 @@ from tmoe.kernels.common import cdiv
 from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
 
 
-def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | None) -> MoEConfig:
+def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | None,
+               group_size: int | None = None) -> MoEConfig:
     tokens_per_expert = m * topk / max(e, 1)
     if tokens_per_expert <= 16:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
@@ -40,6 +41,10 @@ def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | Non
     # measured them faster: block-fp8 GEMMs from block_m 64 (5-22%), the down GEMM from block_m 128
     up_tma = block_k_cap is not None and bm >= 64
     down_tma = up_tma or bm >= 128
+    if group_size is not None:
+        # weight-only low-bit: one scale group per K step, pointer loads (the kernel unpacks bytes);
+        # decode keeps block_m 16 (the tiles above), the weights stream at 1/4 (1/2) the bf16 bytes
+        bk, up_tma, down_tma = min(bk, group_size), False, False
     up = GemmConfig(bm, up_bn, bk, num_warps=warps, num_stages=stages, tma=up_tma)
     down = GemmConfig(bm, min(2 * bn, 128) if bm <= 32 else bn, bk, num_warps=warps, num_stages=stages, tma=down_tma)
     return MoEConfig(up, down)
@@ -69,7 +74,7 @@ def device_name(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str | None,
-            block_shape: tuple[int, int] | None, config_dir: str | None) -> MoEConfig:
+            block_shape: tuple[int, int] | None, config_dir: str | None, group_size: int | None = None) -> MoEConfig:
     dirs = (Path(config_dir), SHIPPED_CONFIGS) if config_dir else (SHIPPED_CONFIGS,)
     table = load_table(config_file_name(e, n, device, quant, block_shape), dirs)
     block_k_cap = block_shape[1] if block_shape else None
@@ -136,19 +141,20 @@ def direct_down_config(cfg: MoEConfig, m: int, k: int, device: torch.device,
 
 def get_config(
     m: int, e: int, n: int, k: int, topk: int, device: torch.device, quant: str | None = None,
-    block_shape: tuple[int, int] | None = None,
+    block_shape: tuple[int, int] | None = None, group_size: int | None = None,
 ) -> MoEConfig:
     """The tile config for a layer of ``e`` experts, ``w1 (e, 2n, k)``, at ``m`` tokens.
 
     Order: ``override_config`` > tuned table (nearest M; ``TMOE_CONFIG_DIR`` first, then the
-    shipped tables) > heuristic. ``quant`` names the table's dtype suffix (``fp8_w8a8``);
-    ``block_shape`` (block quantization) names the table too and caps block_k at the group.
-    Lookups are cached per key.
+    shipped tables) > heuristic. ``quant`` names the table's dtype suffix (``fp8_w8a8``,
+    ``int4_w4a16``, ``int8_w8a16``, ``mxfp4_w4a16``); ``block_shape`` (block quantization) names
+    the table too and caps block_k at the group; ``group_size`` (low-bit weights) caps the
+    heuristic's block_k (the launchers cap any config's). Lookups are cached per key.
     """
     if _OVERRIDE:
         return _OVERRIDE[-1]
     bs = tuple(block_shape) if block_shape else None
-    return _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"))
+    return _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"), group_size)
 
 
 __all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from tmoe import ExpertParallel, FusedMoEModularKernel, NoEPPrepareAndFinalize, TritonExperts
+from tmoe import ExpertParallel, FusedMoEModularKernel, FusedMoEQuantConfig, NoEPPrepareAndFinalize, TritonExperts
+from tmoe.integrations.hf_mxfp4 import deinterleave_rows, mxfp4_mismatch, packed_mxfp4
 
 # Hugging Face activation names whose module computes one of tmoe's gate activations.
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu",
@@ -37,6 +38,7 @@ class ExpertsSpec:
     swigluoai: attribute names of the (alpha, limit) of GPT-OSS's clamped gating; None: ``act_fn(gate) * up``,
     clamped (min(act_fn(gate), limit) * clamp(up, ±limit)) when the module has a finite ``limit``.
     dbrx: DBRX's ``mlp.w1``/``mlp.v1``/``mlp.w2``, each (E * I, H).
+    mxfp4: GPT-OSS's packed mxfp4 experts (``tmoe.integrations.hf_mxfp4``), run packed.
     """
 
     transposed: bool = False
@@ -44,6 +46,7 @@ class ExpertsSpec:
     bias: bool = False
     swigluoai: tuple[str, str] | None = None
     dbrx: bool = False
+    mxfp4: bool = False
 
     def flags(self) -> dict[str, bool]:
         """The ``@use_experts_implementation`` attributes a class of this layout carries."""
@@ -72,6 +75,7 @@ SUPPORTED_EXPERTS: dict[str, ExpertsSpec] = {
     "Llama4TextExperts": ExpertsSpec(transposed=True),
     "DbrxExperts": ExpertsSpec(dbrx=True),
     "GptOssExperts": ExpertsSpec(transposed=True, interleaved=True, bias=True, swigluoai=("alpha", "limit")),
+    "Mxfp4GptOssExperts": ExpertsSpec(interleaved=True, bias=True, swigluoai=("alpha", "limit"), mxfp4=True),
     "OpenAIPrivacyFilterExperts": ExpertsSpec(transposed=True, bias=True, swigluoai=("alpha", "limit")),
     "MiniMaxM3VLExperts": ExpertsSpec(swigluoai=("swiglu_alpha", "swiglu_limit")),
 }
@@ -99,6 +103,8 @@ def _layout_mismatch(experts: nn.Module, spec: ExpertsSpec) -> str | None:
         shapes = {_shape(mlp, n) for n in ("w1", "v1", "w2")} if mlp is not None else {None}
         ok = len(shapes) == 1 and None not in shapes and e > 0 and next(iter(shapes))[0] % e == 0
         return None if ok else f"mlp.w1/v1/w2 shapes {shapes} are not (E * I, H) with E={e}"
+    if spec.mxfp4:
+        return mxfp4_mismatch(experts)
     w1, w2 = _shape(experts, "gate_up_proj"), _shape(experts, "down_proj")
     if w1 is None or w2 is None or len(w1) != 3 or len(w2) != 3:
         return f"needs 3-D gate_up_proj and down_proj, has {w1} and {w2}"
@@ -154,8 +160,10 @@ class TmoeExperts(nn.Module):
     forward(hidden_states (..., H), top_k_index (T, k), top_k_weights (T, k)) -> (..., H), with
     T the number of rows of hidden_states: the call signature of transformers' ``*Experts``.
     ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I) are in tmoe's layout, gate and up
-    rows alternating when ``gate_up_interleaved`` (GPT-OSS); with ``expert_parallel`` they (and the
-    biases) hold this rank's E_local experts only.
+    rows alternating when ``gate_up_interleaved`` (GPT-OSS); mxfp4 experts keep them packed (uint8
+    (E, 2I, H / 2) and (E, H, I / 2), down_proj a view of the checkpoint's blocks, gate/up rows
+    de-interleaved once) with e8m0 ``gate_up_proj_scale``/``down_proj_scale``; with
+    ``expert_parallel`` they (and the biases) hold this rank's E_local experts only.
     """
 
     def __init__(self, experts: nn.Module, expert_parallel: ExpertParallel | None = None) -> None:
@@ -164,9 +172,16 @@ class TmoeExperts(nn.Module):
         self.activation = "swigluoai" if spec.swigluoai else _tmoe_activation(_act_fn(experts, spec))
         alpha, limit = ((float(getattr(experts, name)) for name in spec.swigluoai) if spec.swigluoai
                         else (None, _gate_limit(experts)))
-        self.act_options = dict(swiglu_alpha=alpha, swiglu_limit=limit, gate_up_interleaved=spec.interleaved)
-        self.gate_up_proj_bias = self.down_proj_bias = None
-        if spec.dbrx:
+        interleaved = spec.interleaved and not spec.mxfp4  # packed mxfp4 rows are de-interleaved once
+        self.act_options = dict(swiglu_alpha=alpha, swiglu_limit=limit, gate_up_interleaved=interleaved)
+        self.gate_up_proj_bias = self.down_proj_bias = self.gate_up_proj_scale = self.down_proj_scale = None
+        quant = None
+        if spec.mxfp4:
+            (c1, s1), (c2, s2) = packed_mxfp4(experts, "gate_up_proj"), packed_mxfp4(experts, "down_proj")
+            self.gate_up_proj, self.gate_up_proj_scale = _frozen(deinterleave_rows(c1)), _frozen(deinterleave_rows(s1))
+            self.down_proj, self.down_proj_scale = _frozen(c2), _frozen(s2)
+            quant = FusedMoEQuantConfig(weight_dtype="mxfp4")
+        elif spec.dbrx:
             mlp = experts.mlp
             w1, v1, w2 = (w.view(experts.num_experts, -1, w.shape[-1]) for w in (mlp.w1, mlp.v1, mlp.w2))
             self.gate_up_proj, self.down_proj = _frozen(torch.cat([w1, v1], 1)), _frozen(w2.transpose(1, 2))
@@ -176,10 +191,14 @@ class TmoeExperts(nn.Module):
         else:
             self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         if spec.bias:
-            self.gate_up_proj_bias, self.down_proj_bias = experts.gate_up_proj_bias, experts.down_proj_bias
+            b1 = experts.gate_up_proj_bias
+            self.gate_up_proj_bias = _frozen(deinterleave_rows(b1)) if spec.mxfp4 and spec.interleaved else b1
+            self.down_proj_bias = experts.down_proj_bias
         self.ep_options = {}
-        parts = (NoEPPrepareAndFinalize(), TritonExperts())
+        parts = (NoEPPrepareAndFinalize(), TritonExperts(quant))
         if expert_parallel is not None:
+            if quant is not None:
+                raise ValueError("expert parallelism of packed mxfp4 experts is not supported; dequantize them first")
             e = self.gate_up_proj.shape[0]
             for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
                 t = getattr(self, name)
@@ -197,6 +216,7 @@ class TmoeExperts(nn.Module):
         return self.kernel(x.contiguous(), self.gate_up_proj, self.down_proj, top_k_weights.float().contiguous(),
                            top_k_index.contiguous(), activation=self.activation, w1_bias=self.gate_up_proj_bias,
                            w2_bias=self.down_proj_bias, apply_router_weight_on_input=weight_on_input,
+                           w1_scale=self.gate_up_proj_scale, w2_scale=self.down_proj_scale,
                            **self.act_options, **self.ep_options)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -228,3 +248,21 @@ class TmoeLlama4TextMoe(nn.Module):
         out = self.shared_expert(x)
         out.add_(routed.view(t, k, self.hidden_dim).sum(1))
         return out, router_logits
+
+
+class TmoeMxfp4GptOssMLP(nn.Module):
+    """transformers' ``Mxfp4GptOssMLP`` on tmoe: that block hands its experts triton_kernels routing
+    data (``forward_routed``), so the block is replaced around its own router, whose softmax over
+    the top-k logits is the same routing. forward(hidden_states (B, S, H)) -> ((B, S, H), router_logits (T, E))."""
+
+    def __init__(self, block: nn.Module, expert_parallel: ExpertParallel | None = None) -> None:
+        super().__init__()
+        self.router = block.router
+        self.experts = TmoeExperts(block.experts, expert_parallel)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, hidden_dim = hidden_states.shape[0], self.router.hidden_dim
+        x = hidden_states.reshape(-1, hidden_dim)
+        router_logits, router_scores, router_indices = self.router(x)
+        out = self.experts(x, router_indices, router_scores)
+        return out.reshape(batch_size, -1, hidden_dim), router_logits

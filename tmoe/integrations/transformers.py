@@ -5,7 +5,8 @@ transformers 5.x stores each sparse block's routed experts as 3-D tensors; ``SUP
 swap keeps each model's own router and shared experts, so routing is unchanged, and replaces
 only the routed expert computation with ``FusedMoEModularKernel``. Llama4, whose experts take
 router-scaled inputs rather than routing tensors, has its MoE block replaced around its own
-router and shared expert. transformers older than 5.15 (4.x: experts as ``nn.ModuleList``) is refused.
+router and shared expert, as has GPT-OSS loaded in mxfp4 (``Mxfp4GptOssMLP`` routes with
+triton_kernels), whose experts stay packed. transformers older than 5.15 (4.x: experts as ``nn.ModuleList``) is refused.
 """
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ import transformers
 from torch import nn
 
 from tmoe import ExpertParallel
-from tmoe.integrations.hf_experts import SUPPORTED_EXPERTS, TmoeExperts, TmoeLlama4TextMoe, unsupported_reason
+from tmoe.integrations.hf_experts import (
+    SUPPORTED_EXPERTS, TmoeExperts, TmoeLlama4TextMoe, TmoeMxfp4GptOssMLP, unsupported_reason,
+)
 
-__all__ = ["SUPPORTED_EXPERTS", "TmoeExperts", "TmoeLlama4TextMoe", "replace_moe_blocks"]
+__all__ = ["SUPPORTED_EXPERTS", "TmoeExperts", "TmoeLlama4TextMoe", "TmoeMxfp4GptOssMLP", "replace_moe_blocks"]
 # The oldest release on which tests/test_transformers.py found every supported family it ships either
 # matching stock or refused with a reason (run on 5.15.1 to 5.25.0). Older: 5.0 passes PhiMoE and
 # HunYuan-MoE experts dense (T, E) routing weights; 4.x keeps experts as per-expert modules.
@@ -43,9 +46,11 @@ def _looks_like_experts(name: str, module: nn.Module) -> bool:
 
 
 def _swap(model: nn.Module, name: str, module: nn.Module, expert_parallel: ExpertParallel | None) -> None:
+    parent = name.rpartition(".")[0]
     if type(module).__name__ == "Llama4TextExperts":  # the block, not the experts, takes the routing
-        name = name.rpartition(".")[0]
-        module, make = model.get_submodule(name), TmoeLlama4TextMoe
+        name, module, make = parent, model.get_submodule(parent), TmoeLlama4TextMoe
+    elif parent and type(model.get_submodule(parent)).__name__ == "Mxfp4GptOssMLP":  # it routes with triton_kernels
+        name, module, make = parent, model.get_submodule(parent), TmoeMxfp4GptOssMLP
     else:
         make = TmoeExperts
     parent_name, _, child = name.rpartition(".")

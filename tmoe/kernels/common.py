@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from tmoe.kernels.dequant import dequant_dot
+
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")  # act(gate) * up: W1 has 2N rows
 NO_MUL_ACTIVATIONS = ("silu_no_mul", "gelu_no_mul", "relu2_no_mul")  # act(h): W1 has N rows
 ACTIVATIONS = GATED_ACTIVATIONS + NO_MUL_ACTIVATIONS
@@ -101,16 +103,20 @@ def moe_tile_matmul(
     mask_n,  # [BN] valid columns
     a_scale_ptrs,  # [BM] pointers to per-row (or per-row-group) activation scales
     b_scale_ptrs,  # [BN] pointers to per-column (or per-column-group) weight scales
+    zp_ptrs,  # [BN] pointers to the columns' zero points (low-bit, HAS_ZP)
+    zp_shift,  # [BN] nibble shift of each column's zero point (int4)
     K,
     stride_ak,
     stride_bk,
     stride_ask,
     stride_bsk,
+    stride_zpk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_K: tl.constexpr,
     QUANT: tl.constexpr,
+    HAS_ZP: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -118,7 +124,9 @@ def moe_tile_matmul(
 
     QUANT: "none"; "scaled" (one scale per row of A and per column of B, broadcast by
     zero strides for per-tensor scales, applied once at the end); "block" (scales per
-    GROUP_K slice of K, applied per K tile; GROUP_K is a multiple of BLOCK_K).
+    GROUP_K slice of K, applied per K tile; GROUP_K is a multiple of BLOCK_K); weight-only
+    "int4", "int8", "mxfp4" (B holds codes, 4-bit: bytes at k // 2; one scale and zero point per
+    column and GROUP_K slice of K; see dequant.py).
     """
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -135,10 +143,16 @@ def moe_tile_matmul(
             a_s = tl.load(a_scale_ptrs + k_group * stride_ask, mask=mask_m, other=0.0)
             b_s = tl.load(b_scale_ptrs + k_group * stride_bsk, mask=mask_n, other=0.0)
             acc += tl.dot(a, b, input_precision=PRECISION) * a_s[:, None] * b_s[None, :]
-        else:
+        elif QUANT == "none" or QUANT == "scaled":
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        else:  # low-bit weights
+            acc = dequant_dot(a, b, acc, b_scale_ptrs, zp_ptrs, zp_shift, k * BLOCK_K, offs_k, K, stride_bsk,
+                              stride_zpk, mask_n, BLOCK_K, GROUP_K, QUANT, HAS_ZP, PRECISION)  # [BM, BN]
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        if QUANT == "int4" or QUANT == "mxfp4":
+            b_ptrs += (BLOCK_K // 2) * stride_bk
+        else:
+            b_ptrs += BLOCK_K * stride_bk
     if QUANT == "scaled":
         a_s = tl.load(a_scale_ptrs, mask=mask_m, other=0.0)
         b_s = tl.load(b_scale_ptrs, mask=mask_n, other=0.0)

@@ -1,5 +1,5 @@
-"""Launch arguments shared by the expert GEMM kernels: fp8 scales and their strides, the
-shared-memory fit of a tile config, the weights' TMA descriptor, operand checks."""
+"""Launch arguments shared by the expert GEMM kernels: fp8 scales, low-bit weight scales and zero
+points, and their strides, the shared-memory fit of a tile config, the weights' TMA descriptor, operand checks."""
 from __future__ import annotations
 
 import functools
@@ -24,10 +24,51 @@ class Scales:
     block_shape: tuple[int, int] | None = None
 
 
-def scale_args(scales: Scales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> dict:
+@dataclass(frozen=True)
+class WeightScales:
+    """Weight-only low-bit dequantization (activations unquantized), vLLM's layouts for W of
+    logical shape (E, rows, K): ``weight_dtype`` "int4" (W uint8 (E, rows, K / 2), two values per
+    byte, even k low), "int8" (W uint8 (E, rows, K)) or "mxfp4" (e2m1 packed as int4).
+    ``scale`` (E, rows, cdiv(K, group_size)): float (int4/int8), uint8 e8m0 (mxfp4).
+    ``zero_point`` (int4: uint8 (E, rows / 2, groups), two rows per byte, even row low;
+    int8: uint8 (E, rows, groups)); None: 8 (int4), 128 (int8). value = (q - zp) * scale."""
+
+    weight_dtype: str
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    group_size: int
+
+
+def _no_zero_point(w: torch.Tensor) -> dict:
+    return dict(w_zp_ptr=w, stride_zpe=0, stride_zpn=0, stride_zpk=0, HAS_ZP=False)
+
+
+def _weight_scale_args(ws: WeightScales, a: torch.Tensor, w: torch.Tensor) -> dict:
+    """Launch arguments of low-bit weights; shapes were checked by the caller (the layer checks)."""
+    s, zp = ws.scale, ws.zero_point
+    args = dict(a_scale_ptr=s, w_scale_ptr=s, stride_ase=0, stride_asm=0, stride_ask=0, stride_wse=s.stride(0),
+                stride_wsn=s.stride(1), stride_wsk=s.stride(2), GROUP_N=1, GROUP_K=ws.group_size,
+                QUANT=ws.weight_dtype, **_no_zero_point(w))
+    if zp is not None:
+        args.update(w_zp_ptr=zp, stride_zpe=zp.stride(0), stride_zpn=zp.stride(1), stride_zpk=zp.stride(2),
+                    HAS_ZP=True)
+    return args
+
+
+def fit_low_bit(config: GemmConfig, scales: Scales | WeightScales | None) -> GemmConfig:
+    """Low-bit weights load their bytes by pointers (the kernel unpacks them): no TMA. Any block_k
+    fits: block_k and the group size are powers of two, so one divides the other (dequant.py)."""
+    if not isinstance(scales, WeightScales) or not config.tma:
+        return config
+    return replace(config, tma=False)
+
+
+def scale_args(scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> dict:
+    if isinstance(scales, WeightScales):
+        return _weight_scale_args(scales, a, w)
     if scales is None:  # the kernel reads no scale: w stands in for the pointers
         return dict(a_scale_ptr=w, w_scale_ptr=w, stride_ase=0, stride_asm=0, stride_ask=0,
-                    stride_wse=0, stride_wsn=0, stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="none")
+                    stride_wse=0, stride_wsn=0, stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="none", **_no_zero_point(w))
     a_s, w_s = scales.a_scale, scales.w_scale
     check_tensor("a_scale", a_s, dtypes=(torch.float32,), device=a.device)
     check_tensor("w_scale", w_s, dtypes=(torch.float32,), device=a.device)
@@ -46,7 +87,8 @@ def scale_args(scales: Scales | None, a: torch.Tensor, w: torch.Tensor, config: 
         a_st = (a_s.stride(0) if batched else 0, a_s.stride(-2), a_s.stride(-1))
         w_st = w_s.stride()
         return dict(a_scale_ptr=a_s, w_scale_ptr=w_s, stride_ase=a_st[0], stride_asm=a_st[1], stride_ask=a_st[2],
-                    stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=w_st[2], GROUP_N=gn, GROUP_K=gk, QUANT="block")
+                    stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=w_st[2], GROUP_N=gn, GROUP_K=gk, QUANT="block",
+                    **_no_zero_point(w))
     if a_s.numel() == 1:
         a_st = (0, 0)
     elif a_s.numel() == a.numel() // a.shape[-1]:
@@ -60,7 +102,8 @@ def scale_args(scales: Scales | None, a: torch.Tensor, w: torch.Tensor, config: 
     else:
         raise ValueError(f"w_scale must have {e} (per tensor) or {e * n_w} (per channel) elements, got {w_s.numel()}")
     return dict(a_scale_ptr=a_s, w_scale_ptr=w_s, stride_ase=a_st[0], stride_asm=a_st[1], stride_ask=0,
-                stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="scaled")
+                stride_wse=w_st[0], stride_wsn=w_st[1], stride_wsk=0, GROUP_N=1, GROUP_K=1, QUANT="scaled",
+                **_no_zero_point(w))
 
 
 SHARED_MEMORY_BUDGET = 200 * 1024  # bytes off a GPU (the interpreter); Hopper's 227 KB minus the margin

@@ -14,7 +14,10 @@ import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
-from tmoe.kernels.gemm_args import Scales, fit_shared_memory, scale_args, shared_memory_budget
+from tmoe.kernels.dequant import dequant_dot, weight_k, zero_point_rows
+from tmoe.kernels.gemm_args import (
+    Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
+)
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, planned
 
@@ -36,13 +39,14 @@ def _moe_down_reduce_kernel(
     topk_ids_ptr,  # [num_tokens, TOPK] int32/int64, contiguous
     expert_map_ptr,  # [num_experts] int32 (HAS_MAP)
     bias_ptr,  # [E, N] (HAS_BIAS)
+    w_zp_ptr,  # HAS_ZP: low-bit zero points, int4 [E, N // 2, K // GROUP_K], int8 [E, N, K // GROUP_K]
     N, K, num_tokens, num_experts, num_local_experts,
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be, stride_zpe, stride_zpn, stride_zpk,
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr, APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_ZP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # the tokens of one column block run side by side: experts they share stay in L2
@@ -53,6 +57,7 @@ def _moe_down_reduce_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     row0 = offs_bm[:, None] == 0  # [BM, 1]
+    zp_rows, zp_shift = zero_point_rows(offs_n, QUANT)  # [BN] (low-bit weights)
     # the token's experts and weights, loaded once: addresses in the loop depend only on
     # registers and the loop index, so the pipeliner can prefetch across slot boundaries
     offs_t = tl.arange(0, TOPK_P2)
@@ -79,12 +84,19 @@ def _moe_down_reduce_kernel(
             mask_b = mask_b & ((k0 + offs_k)[:, None] < K)
         a = tl.load(a_ptr + slot * stride_am + (k0 + offs_k)[None, :] * stride_ak + offs_bm[:, None] * 0,
                     mask=mask_a, other=0.0)  # [BM, BK]
-        b = tl.load(w_ptr + safe_expert * stride_we + (k0 + offs_k)[:, None] * stride_wk
+        b = tl.load(w_ptr + safe_expert * stride_we + weight_k(k0 + offs_k, QUANT)[:, None] * stride_wk
                     + offs_n[None, :] * stride_wn, mask=mask_b, other=0.0)  # [BK, BN]
-        part = tl.dot(a, b, input_precision=PRECISION)  # [BM, BN]
         if QUANT == "none":
+            acc += tl.dot(a, b, input_precision=PRECISION) * scale
+        elif QUANT == "int4" or QUANT == "int8" or QUANT == "mxfp4":
+            part = dequant_dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                               w_scale_ptr + safe_expert * stride_wse + offs_n * stride_wsn,
+                               w_zp_ptr + safe_expert * stride_zpe + zp_rows * stride_zpn, zp_shift, k0, offs_k, K,
+                               stride_wsk, stride_zpk, mask_n & computed, BLOCK_K, GROUP_K, QUANT, HAS_ZP,
+                               PRECISION)  # [BM, BN]
             acc += part * scale
         else:
+            part = tl.dot(a, b, input_precision=PRECISION)  # [BM, BN]
             if QUANT == "block":
                 g = k0 // GROUP_K
                 a_s = tl.load(a_scale_ptr + slot * stride_asm + g * stride_ask, mask=computed, other=0.0)
@@ -117,7 +129,7 @@ def moe_down_reduce(
     *,
     topk_weights: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
-    scales: Scales | None = None,
+    scales: Scales | WeightScales | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[m] = sum_t w[m, t] * (a[m * topk + t] @ w[e].T + bias[e]), e the local expert of slot (m, t).
@@ -134,10 +146,11 @@ def moe_down_reduce(
     Shapes were checked by the caller. Planned: the body runs once per static signature.
     """
     m, topk = topk_ids.shape
-    n_out, k = w.shape[1], w.shape[2]
+    n_out, k = w.shape[1], a.shape[1]
     if m == 0 or n_out == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), gated=False, budget=shared_memory_budget(a.device))
+    config = fit_low_bit(config, scales)
     sargs = scale_args(scales, a, w, config)
     sargs.pop("stride_ase")
     grid = (m * cdiv(n_out, config.block_n),)

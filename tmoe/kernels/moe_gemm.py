@@ -22,8 +22,10 @@ from tmoe.kernels.common import (
     abs_no_nan, act_and_mul, act_no_mul, activation_params, cdiv, fp8_scale, local_expert, moe_tile_matmul,
     moe_tile_matmul_tma, tile_ids, to_fp8, w1_rows_per_n,
 )
+from tmoe.kernels.dequant import weight_k, zero_point_rows
 from tmoe.kernels.gemm_args import (
-    Scales, fit_shared_memory, scale_args, shared_memory_budget, uniform_w_scale, weight_descriptor,
+    Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget, uniform_w_scale,
+    weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, planned
@@ -48,20 +50,21 @@ def _moe_gemm_kernel(
     topk_ids_ptr,  # [num_slots] int32/int64, direct only
     expert_map_ptr,  # [num_experts] int32 global -> local id or -1 (HAS_MAP), direct only
     out_scale_ptr,  # QUANT_OUT: [rows, cdiv(N, GROUP_OUT)] float32 (Batched: [E, cap, ...])
+    w_zp_ptr,  # HAS_ZP: low-bit zero points, int4 [E, N_w // 2, K // GROUP_K], int8 [E, N_w, K // GROUP_K]
     N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert, num_experts, num_local_experts,
     stride_ae, stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_oe, stride_om, stride_on,
     stride_ase, stride_asm, stride_ask,
     stride_wse, stride_wsn, stride_wsk, stride_be,
-    stride_ose, stride_osm, stride_osg, quant_eps, act_alpha, act_limit,
+    stride_ose, stride_osm, stride_osg, stride_zpe, stride_zpn, stride_zpk, quant_eps, act_alpha, act_limit,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATED: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr,
     QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr,
+    W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_bm = tl.arange(0, BLOCK_M)
@@ -120,14 +123,16 @@ def _moe_gemm_kernel(
         else:
             w_cols = offs_n
             mask_c = mask_n
+        zp_rows, zp_shift = zero_point_rows(w_cols, QUANT)  # [BN] (2BN when MUL)
         acc = moe_tile_matmul(
             a_ptrs,
-            w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + w_cols[None, :] * stride_wn,
+            w_ptr + expert * stride_we + weight_k(offs_k, QUANT)[:, None] * stride_wk + w_cols[None, :] * stride_wn,
             mask_m, mask_c,
             a_scale_ptr + scale_rows,
             w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
-            K, stride_ak, stride_wk, stride_ask, stride_wsk,
-            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, EVEN_K, PRECISION,
+            w_zp_ptr + expert * stride_zpe + zp_rows * stride_zpn, zp_shift,
+            K, stride_ak, stride_wk, stride_ask, stride_wsk, stride_zpk,
+            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION,
         )  # [BM, BN] float32, [BM, 2BN] when MUL
         if MUL:
             acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -203,7 +208,7 @@ def invoke_moe_gemm(
     routing: Routing | DirectRouting | None = None,
     expert_num_tokens: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
-    scales: Scales | None = None,
+    scales: Scales | WeightScales | None = None,
     bias: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     quant_eps: float = 1e-10,
@@ -221,11 +226,12 @@ def invoke_moe_gemm(
     ``gated`` (the up GEMM): ``w`` is (E, 2N, K) for a gated ``activation`` (``gate_up_interleaved``:
     row 2j gate j, row 2j + 1 up j; else gate rows then up rows), (E, N, K) for a *_no_mul one;
     ``swiglu_alpha``/``swiglu_limit`` are runtime floats (see ``activation_params``), so a new
-    value compiles nothing. Shapes were checked by the caller. Planned
-    (``tmoe.kernels.launch.planned``): the body runs once per static signature of the arguments."""
+    value compiles nothing. ``scales`` a ``WeightScales``: ``w`` holds low-bit codes, dequantized
+    in the K loop. Shapes were checked by the caller. Planned (``tmoe.kernels.launch.planned``):
+    the body runs once per static signature of the arguments."""
     mul = gated and w1_rows_per_n(activation) == 2
     n = w.shape[1] // 2 if mul else w.shape[1]
-    k = w.shape[2]
+    k = a.shape[-1]
     batched = routing is None
     unused = w  # pointer arguments the route does not read
     route = dict(sorted_ids_ptr=unused, expert_ids_ptr=unused, num_post_padded_ptr=unused,
@@ -250,6 +256,7 @@ def invoke_moe_gemm(
     if num_pid_m == 0 or n == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), mul, shared_memory_budget(a.device))
+    config = fit_low_bit(config, scales)
     if out_scale is not None:
         group_out = fused_quant_group(n, out_scale.shape[-1], config, gated)
         os_st = (out_scale.stride(0) if batched else 0, out_scale.stride(-2), out_scale.stride(-1))

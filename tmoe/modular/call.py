@@ -30,7 +30,9 @@ class LayerArgs(NamedTuple):
     7.0; silu, None: no clamp, else the clamped silu min(silu(gate), limit) * clamp(up, -limit,
     limit)): runtime floats, a new value compiles no new kernel. ``gate_up_interleaved``: w1's
     rows (and w1_bias) alternate gate and up (row 2j gate j, row 2j + 1 up j; GPT-OSS's layout)
-    instead of gate rows then up rows.
+    instead of gate rows then up rows. Weight-only low-bit (``FusedMoEQuantConfig(weight_dtype=...)``):
+    w1/w2 uint8 in vLLM's packed layouts, ``w1_scale``/``w2_scale`` group scales,
+    ``w1_zp``/``w2_zp`` optional zero points (int4/int8).
     """
 
     hidden_states: torch.Tensor
@@ -51,6 +53,8 @@ class LayerArgs(NamedTuple):
     swiglu_alpha: RuntimeFloat | None = None
     swiglu_limit: RuntimeFloat | None = None
     gate_up_interleaved: bool = False
+    w1_zp: torch.Tensor | None = None
+    w2_zp: torch.Tensor | None = None
 
 
 _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "int": "int",

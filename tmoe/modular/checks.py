@@ -8,11 +8,52 @@ import math
 import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import ACTIVATIONS, w1_rows_per_n
+from tmoe.kernels.common import ACTIVATIONS, cdiv, w1_rows_per_n
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
-_TENSORS = ("expert_map", "w1_scale", "w2_scale", "a1_scale", "a2_scale", "w1_bias", "w2_bias")
+_TENSORS = ("expert_map", "w1_scale", "w2_scale", "a1_scale", "a2_scale", "w1_bias", "w2_bias", "w1_zp", "w2_zp")
+
+
+def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[int, int]:
+    """Weight-only int4/int8/mxfp4 (layouts: ``tmoe.kernels.gemm_args.WeightScales``): w1 uint8
+    (E, 2N, K / p), w2 uint8 (E, K, N / p), p = 2 for the 4-bit schemes; scales (E, rows,
+    cdiv(K_in, g)), float (e8m0 uint8 for mxfp4); zero points uint8 (E, rows / p, cdiv(K_in, g)).
+    Returns (E, 2N)."""
+    x, wd, g = args.hidden_states, quant.weight_dtype, quant.group_size
+    check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
+    if w1_rows_per_n(args.activation) != 2:
+        raise ValueError(f"{wd} weights need a gated activation (w1 with gate and up rows), not {args.activation!r}")
+    k = x.shape[1]
+    pack = 1 if wd == "int8" else 2
+    for name in ("w1", "w2"):
+        check_tensor(name, getattr(args, name), dtypes=(torch.uint8,), ndim=3, device=x.device)
+    e, two_n = args.w1.shape[0], args.w1.shape[1]
+    n = two_n // 2
+    if two_n % 2:
+        raise ValueError(f"w1 must be (E, 2N, K) with gate rows then up rows; got {two_n} rows")
+    if pack == 2 and (k % 2 or n % 2):
+        raise ValueError(f"{wd} packs two values per byte along K: the hidden size K={k} and the intermediate "
+                         f"size N={n} must be even")
+    for name, shape in (("w1", (e, two_n, k // pack)), ("w2", (e, k, n // pack))):
+        w = getattr(args, name)
+        if tuple(w.shape) != shape:
+            raise ValueError(f"{name} must be {wd} codes of shape {shape} (packed {pack} per byte along its last "
+                             f"dimension) for hidden_states (M, K={k}); got {tuple(w.shape)}")
+    if args.a1_scale is not None or args.a2_scale is not None:
+        raise ValueError(f"a1_scale/a2_scale are fp8 activation scales; {wd} weights keep activations unquantized")
+    for name, rows, cols in (("w1", two_n, k), ("w2", k, n)):
+        scale, zp = getattr(args, f"{name}_scale"), getattr(args, f"{name}_zp")
+        if scale is None:
+            raise ValueError(f"{wd} experts need {name}_scale")
+        check_tensor(f"{name}_scale", scale, dtypes=(torch.uint8,) if wd == "mxfp4" else FLOAT_DTYPES, ndim=3)
+        check_shape(f"{name}_scale", scale, (e, rows, cdiv(cols, g)))
+        if zp is not None:
+            if wd == "mxfp4":
+                raise ValueError(f"mxfp4 weights have no zero points; got {name}_zp")
+            check_tensor(f"{name}_zp", zp, dtypes=(torch.uint8,), ndim=3)
+            check_shape(f"{name}_zp", zp, (e, rows // pack, cdiv(cols, g)))
+    return e, two_n
 
 
 def call_signature(args: LayerArgs) -> tuple:
@@ -24,36 +65,20 @@ def call_signature(args: LayerArgs) -> tuple:
 
 def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
     """Shape, dtype and device checks of one layer call. ``quant``'s dtype is the weights' (None:
-    w1/w2 have hidden_states' dtype; fp8: w1/w2 fp8 with their scales)."""
-    x, w1, w2 = args.hidden_states, args.w1, args.w2
+    w1/w2 have hidden_states' dtype; fp8: w1/w2 fp8 with their scales; ``weight_dtype``: low-bit codes)."""
+    x = args.hidden_states
     check_tensor("hidden_states", x, dtypes=FLOAT_DTYPES, ndim=2)
     dev = x.device
     for name in _TENSORS:
         t = getattr(args, name)
         if t is not None:
             check_tensor(name, t, device=dev)
-    weight_dtype = quant.quant_dtype or x.dtype
-    why = "the quant config's dtype" if quant.quant_dtype else "hidden_states' dtype; pass a quant_config for fp8 weights"
-    for name, w, scale_name in (("w1", w1, "w1_scale"), ("w2", w2, "w2_scale")):
-        check_tensor(name, w, ndim=3, device=dev)
-        if w.dtype != weight_dtype:
-            raise TypeError(f"{name} has dtype {w.dtype}, expected {weight_dtype} ({why})")
-        if quant.quant_dtype is not None and getattr(args, scale_name) is None:
-            raise ValueError(f"fp8 experts need {scale_name}")
-    check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
     m, k = x.shape
-    e, rows, k1 = w1.shape
-    per_n = w1_rows_per_n(args.activation)
-    if rows % per_n:
-        raise ValueError(f"w1 must be (E, 2N, K) with gate rows and up rows; got {rows} rows")
-    if k1 != k:
-        raise ValueError(f"w1 must be (E, {'2N' if per_n == 2 else 'N'}, K={k}) to match hidden_states (M, K={k}); got shape "
-                         f"{tuple(w1.shape)}")
-    n = rows // per_n
-    if per_n == 1 and w2.shape[2] * 2 == rows:  # gate and up rows for a non-gated activation
-        raise ValueError(f"w1 must be (E, N, K) for activation {args.activation!r}: w2 (E, K, N={w2.shape[2]}) "
-                         f"needs {w2.shape[2]} rows of w1, got {rows}")
-    check_shape("w2", w2, (e, k, n))
+    if quant.weight_dtype is not None:
+        e, rows = check_low_bit_weights(args, quant)
+        n = rows // 2
+    else:
+        e, rows, n = _check_weights(args, quant)
     check_tensor("topk_ids", args.topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=dev, contiguous=True)
     check_tensor("topk_weights", args.topk_weights, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
     if args.topk_ids.shape[0] != m:
@@ -101,6 +126,38 @@ def check_activation(act: str, swiglu_alpha: float | None, swiglu_limit: float |
             raise ValueError(f"swiglu_limit must be > 0, got {value}")
     if gate_up_interleaved and w1_rows_per_n(act) != 2:
         raise ValueError(f"gate_up_interleaved needs a gated activation (w1 with gate and up rows), not {act!r}")
+
+
+def _check_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[int, int, int]:
+    """w1 (E, 2N, K) ((E, N, K) for a *_no_mul activation), w2 (E, K, N) in hidden_states' dtype,
+    or fp8 with their scales; the activation and its options. Returns (E, w1 rows, N)."""
+    x, w1, w2 = args.hidden_states, args.w1, args.w2
+    weight_dtype = quant.quant_dtype or x.dtype
+    why = "the quant config's dtype" if quant.quant_dtype else "hidden_states' dtype; pass a quant_config for fp8 weights"
+    for name, w, scale_name in (("w1", w1, "w1_scale"), ("w2", w2, "w2_scale")):
+        check_tensor(name, w, ndim=3, device=x.device)
+        if w.dtype != weight_dtype:
+            raise TypeError(f"{name} has dtype {w.dtype}, expected {weight_dtype} ({why})")
+        if quant.quant_dtype is not None and getattr(args, scale_name) is None:
+            raise ValueError(f"fp8 experts need {scale_name}")
+    if args.w1_zp is not None or args.w2_zp is not None:
+        raise ValueError("w1_zp/w2_zp are zero points of int4/int8 weights; pass "
+                         "quant_config=FusedMoEQuantConfig(weight_dtype='int4' or 'int8', group_size=g)")
+    check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
+    k = x.shape[1]
+    e, rows, k1 = w1.shape
+    per_n = w1_rows_per_n(args.activation)
+    if rows % per_n:
+        raise ValueError(f"w1 must be (E, 2N, K) with gate rows and up rows; got {rows} rows")
+    if k1 != k:
+        raise ValueError(f"w1 must be (E, {'2N' if per_n == 2 else 'N'}, K={k}) to match hidden_states (M, K={k}); "
+                         f"got shape {tuple(w1.shape)}")
+    n = rows // per_n
+    if per_n == 1 and w2.shape[2] * 2 == rows:  # gate and up rows for a non-gated activation
+        raise ValueError(f"w1 must be (E, N, K) for activation {args.activation!r}: w2 (E, K, N={w2.shape[2]}) "
+                         f"needs {w2.shape[2]} rows of w1, got {rows}")
+    check_shape("w2", w2, (e, k, n))
+    return e, rows, n
 
 
 def check_static_scales(args: LayerArgs) -> None:

@@ -9,7 +9,7 @@ from tmoe.kernels.checks import positive_int
 from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.common import w1_rows_per_n
-from tmoe.kernels.gemm_args import Scales
+from tmoe.kernels.gemm_args import Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_gemm import DirectRouting, Routing, invoke_moe_gemm
 from tmoe.modular.interfaces import FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute
@@ -23,8 +23,12 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
     def supports_expert_map(self) -> bool:
         return True
 
-    def _scales(self, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None) -> Scales | None:
-        if self.quant_config.quant_dtype is None:
+    def _scales(self, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+                w_zp: torch.Tensor | None = None) -> Scales | WeightScales | None:
+        qc = self.quant_config
+        if qc.weight_dtype is not None:
+            return WeightScales(qc.weight_dtype, w_scale, w_zp, qc.group_size)
+        if qc.quant_dtype is None:
             return None
         if a_scale is None or w_scale is None:
             raise ValueError("fp8 experts need activation scales and w1_scale/w2_scale")
@@ -40,11 +44,11 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         return g if n % g == 0 and up_block_n % g == 0 else None
 
     def _up(self, hidden_states, w1, shape: tuple[int, ...], workspace2, up_cfg: GemmConfig, a1q_scale, w1_scale,
-            a2_scale, **gemm) -> tuple[torch.Tensor, torch.Tensor | None]:
+            a2_scale, w1_zp=None, **gemm) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The up/gate GEMM into an intermediate of ``shape``; returns it quantized for the down
         GEMM (fused into the epilogue when the tiles allow) and its scales."""
         n = shape[-1]
-        scales = self._scales(a1q_scale, w1_scale)
+        scales = self._scales(a1q_scale, w1_scale, w1_zp)
         group = self._fused_quant_group(n, up_cfg.block_n, a2_scale)
         if group is not None:
             inter = torch.empty(shape, dtype=self.quant_config.quant_dtype, device=hidden_states.device)
@@ -57,8 +61,8 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
 
     def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device):
         qc = self.quant_config
-        return get_config(m, e, n, k, topk, device, quant="fp8_w8a8" if qc.quant_dtype is not None else None,
-                          block_shape=qc.block_shape)
+        return get_config(m, e, n, k, topk, device, quant=qc.quant_name, block_shape=qc.block_shape,
+                          group_size=qc.group_size or None)
 
 
 class TritonExperts(_TritonExpertsBase):
@@ -83,7 +87,8 @@ class TritonExperts(_TritonExpertsBase):
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, w1_scale, w2_scale, a1q_scale, a2_scale, workspace13, workspace2, expert_num_tokens,
-              apply_router_weight_on_input, w1_bias=None, w2_bias=None, **act_options) -> None:
+              apply_router_weight_on_input, w1_bias=None, w2_bias=None, w1_zp=None, w2_zp=None,
+              **act_options) -> None:
         m, k = hidden_states.shape
         topk = topk_ids.shape[1]
         n = w1.shape[1] // w1_rows_per_n(activation)
@@ -92,26 +97,26 @@ class TritonExperts(_TritonExpertsBase):
         if output.dim() == 2:
             a2q, a2q_scale = self._up(
                 hidden_states, w1, (m * topk, n), workspace2, replace(cfg.up, block_m=16), a1q_scale, w1_scale,
-                a2_scale, activation=activation, topk_weights=weights, bias=w1_bias,
+                a2_scale, w1_zp, activation=activation, topk_weights=weights, bias=w1_bias,
                 routing=DirectRouting(topk_ids, global_num_experts, expert_map, topk), **act_options,
             )
             down_cfg = direct_down_config(cfg, m, k, hidden_states.device, self.quant_config.block_shape)
             moe_down_reduce(a2q, w2, output, topk_ids, global_num_experts, down_cfg,
                             topk_weights=None if apply_router_weight_on_input else topk_weights,
-                            expert_map=expert_map, scales=self._scales(a2q_scale, w2_scale), bias=w2_bias)
+                            expert_map=expert_map, scales=self._scales(a2q_scale, w2_scale, w2_zp), bias=w2_bias)
             return
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
             topk_ids, cfg.block_m, global_num_experts, expert_map, num_local_experts=w1.shape[0]
         )
         a2q, a2q_scale = self._up(
-            hidden_states, w1, (m * topk, n), workspace2, cfg.up, a1q_scale, w1_scale, a2_scale, activation=activation,
-            routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk), topk_weights=weights,
-            bias=w1_bias, **act_options,
+            hidden_states, w1, (m * topk, n), workspace2, cfg.up, a1q_scale, w1_scale, a2_scale, w1_zp,
+            activation=activation, routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk),
+            topk_weights=weights, bias=w1_bias, **act_options,
         )
         invoke_moe_gemm(
             a2q, w2, output.view(m * topk, k), cfg.down, gated=False,
             routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1),
-            scales=self._scales(a2q_scale, w2_scale), bias=w2_bias,
+            scales=self._scales(a2q_scale, w2_scale, w2_zp), bias=w2_bias,
         )
 
 
@@ -141,12 +146,13 @@ class BatchedTritonExperts(_TritonExpertsBase):
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, w1_scale, w2_scale, a1q_scale, a2_scale, workspace13, workspace2, expert_num_tokens,
-              apply_router_weight_on_input, w1_bias=None, w2_bias=None, **act_options) -> None:
+              apply_router_weight_on_input, w1_bias=None, w2_bias=None, w1_zp=None, w2_zp=None,
+              **act_options) -> None:
         e, cap, k = hidden_states.shape
         n = w1.shape[1] // w1_rows_per_n(activation)
         cfg = self._config(cap, e, n, k, 1, hidden_states.device)
         a2q, a2q_scale = self._up(hidden_states, w1, (e, cap, n), workspace2, cfg.up, a1q_scale, w1_scale, a2_scale,
-                                  activation=activation, expert_num_tokens=expert_num_tokens, bias=w1_bias,
+                                  w1_zp, activation=activation, expert_num_tokens=expert_num_tokens, bias=w1_bias,
                                   **act_options)
         invoke_moe_gemm(a2q, w2, output, cfg.down, gated=False, expert_num_tokens=expert_num_tokens,
-                        scales=self._scales(a2q_scale, w2_scale), bias=w2_bias)
+                        scales=self._scales(a2q_scale, w2_scale, w2_zp), bias=w2_bias)

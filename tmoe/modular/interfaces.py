@@ -172,7 +172,9 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
         workspace2: torch.Tensor, expert_num_tokens: torch.Tensor | None, apply_router_weight_on_input: bool,
         w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
         swiglu_alpha: float | None = None, swiglu_limit: float | None = None, gate_up_interleaved: bool = False,
+        w1_zp: torch.Tensor | None = None, w2_zp: torch.Tensor | None = None,
     ) -> None:
         """Expert outputs into ``output``; ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K) are optional
         per-expert biases (GPT-OSS); ``w1`` is (E, N, K) for a *_no_mul ``activation``. The
-        activation options are ``LayerArgs``'s (runtime floats, the interleaved gate/up layout)."""
+        activation options are ``LayerArgs``'s (runtime floats, the interleaved gate/up layout);
+        ``w1_zp``/``w2_zp`` optional zero points of int4/int8 weights."""

@@ -25,7 +25,7 @@ from tmoe.modular.quant_config import FusedMoEQuantConfig
 DEFAULT_CHUNK_SIZE = 32768
 MAX_CALL_PLANS = 4096  # per modular kernel; cleared when full (plans hold sizes, no tensors)
 SPEC_SCHEMA = ("str prepare_finalize, int[] prepare_finalize_args, str group_name, str experts, int[] experts_args, "
-               "str? quant_dtype, bool per_act_token_quant, bool per_out_ch_quant, int[]? block_shape, int chunk_size")
+               "str? quant_dtype, bool per_act_token_quant, bool per_out_ch_quant, int[]? block_shape, str? weight_dtype, int group_size, int chunk_size")
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,8 +92,9 @@ class KernelSpec:
     @classmethod
     def from_args(cls, pf: str, pf_args: list[int], group_name: str, experts: str, experts_args: list[int],
                   quant_dtype: str | None, per_act_token: bool, per_out_ch: bool, block_shape: list[int] | None,
-                  chunk_size: int) -> KernelSpec:
-        quant = FusedMoEQuantConfig.from_args(quant_dtype, per_act_token, per_out_ch, block_shape)
+                  weight_dtype: str | None, group_size: int, chunk_size: int) -> KernelSpec:
+        quant = FusedMoEQuantConfig.from_args(quant_dtype, per_act_token, per_out_ch, block_shape, weight_dtype,
+                                              group_size)
         return cls(pf, tuple(pf_args), group_name, experts, tuple(experts_args), quant, chunk_size)
 
 
@@ -194,8 +195,9 @@ class ModularKernel:
         experts.apply(fused_out, prepared.a1q, args.w1, args.w2, expert_weights, expert_ids, args.activation,
                       plan.num_experts, args.expert_map, args.w1_scale, args.w2_scale, prepared.a1q_scale,
                       args.a2_scale, ws13, ws2, prepared.expert_num_tokens, args.apply_router_weight_on_input,
-                      w1_bias=args.w1_bias, w2_bias=args.w2_bias, swiglu_alpha=args.swiglu_alpha,
-                      swiglu_limit=args.swiglu_limit, gate_up_interleaved=args.gate_up_interleaved)
+                      w1_bias=args.w1_bias, w2_bias=args.w2_bias, w1_zp=args.w1_zp, w2_zp=args.w2_zp,
+                      swiglu_alpha=args.swiglu_alpha, swiglu_limit=args.swiglu_limit,
+                      gate_up_interleaved=args.gate_up_interleaved)
         pf.finalize(output, fused_out, weights, ids, args.apply_router_weight_on_input, num_experts=plan.num_experts,
                     expert_map=args.expert_map, prepared=prepared, num_local_experts=plan.e_local)
 

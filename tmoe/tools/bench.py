@@ -6,7 +6,9 @@ the run, with bytes = 3NK weights of every touched expert + x read and output wr
 each) and flops = 2 * M * topk * 3NK; fraction = floor / measured time (the graph replay when
 captured, else eager). Results: a Markdown table on stdout, rows appended to
 ``<out>/bench_moe.csv`` as they are measured, ``<out>/<date>_<gpu>.md`` and
-``<out>/roofline.png`` (fp8 modes add a ``_<dtype>`` suffix to the last two).
+``<out>/roofline.png`` (fp8 modes add a ``_<dtype>`` suffix to the last two). Weight-only low-bit
+modes (``--dtype int4|int8|mxfp4``, ``tmoe.tools.low_bit``) count the scheme's weight bytes
+(codes, scales, zero points) against the bf16 matmul rate, with the bf16 tmoe layer beside them.
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from tmoe.tools import peers
+from tmoe.tools.low_bit import LOW_BIT_DTYPES, value_bytes
 from tmoe.tools.peers import Call
 
 Measurement = float | str  # microseconds, or why there is none
-DTYPES = ("bf16", "fp8_block", "fp8_token")
+DTYPES = ("bf16", "fp8_block", "fp8_token", *LOW_BIT_DTYPES)
 DEFAULT_MS = (1, 8, 64, 256, 1024, 4096, 16384)
 QUICK_MS = (1, 64, 1024)
 ROUTES = ("auto", "sorted", "direct")
@@ -60,8 +63,8 @@ def count_touched(topk_ids: torch.Tensor, e: int) -> int:
     return int(torch.bincount(topk_ids.reshape(-1).long(), minlength=e).gt(0).sum())
 
 
-def layer_traffic(s: Shape, m: int, touched: float, weight_bytes: int = 2, act_bytes: int = 2) -> tuple[float, float]:
-    """(bytes, flops) of the whole layer at M=m with ``touched`` experts read."""
+def layer_traffic(s: Shape, m: int, touched: float, weight_bytes: float = 2, act_bytes: int = 2) -> tuple[float, float]:
+    """(bytes, flops) of the whole layer at M=m with ``touched`` experts read, ``weight_bytes`` per weight value."""
     return touched * 3 * s.n * s.k * weight_bytes + 2 * m * s.k * act_bytes, 2.0 * m * s.topk * 3 * s.n * s.k
 
 
@@ -248,13 +251,13 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: pee
     dev = torch.device("cuda")
     w1, w2 = peers.make_weights(s.e, s.n, s.k, dev)
     providers = peers.with_routes(peers.providers(args.dtype, w1, w2, args.providers), args.routes)
-    weight_bytes = 2 if args.dtype == "bf16" else 1
+    per_value = value_bytes(args.dtype)
     if args.dtype != "bf16":
         w1 = w2 = None  # the fp8 providers hold their own quantized copies
     for m in ms:
         sets = peers.make_inputs(m, s.e, s.k, s.topk, args.sets, dev)
         touched = statistics.mean(count_touched(r.topk_ids, s.e) for r in sets)
-        nbytes, flops = layer_traffic(s, m, touched, weight_bytes)
+        nbytes, flops = layer_traffic(s, m, touched, per_value)
         floor = floor_us(nbytes, flops, ceil.copy_bw, ceil.rate(args.dtype))
         for p in providers:
             if p.name == "loop" and m > args.loop_max_m:
@@ -313,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# {env.gpu}, torch {env.torch}, triton {env.triton}, commit {env.commit}, {args.dtype}", flush=True)
     if args.stages and args.dtype != "bf16":
         print("# --stages times bf16 only: skipped", flush=True)
-    ceil = peers.measure_ceilings(with_fp8=args.dtype != "bf16")
+    ceil = peers.measure_ceilings(with_fp8=args.dtype.startswith("fp8"))
     ceil_text = ceil.describe()
     print(f"# ceilings: {ceil_text}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from tmoe.testing.graphs import capture_cuda_graph
+from tmoe.tools.low_bit import LOW_BIT_DTYPES, low_bit_providers
 
 Call = Callable[[], torch.Tensor]
 
@@ -242,10 +243,13 @@ def with_routes(providers: list[Provider], routes: tuple[str, ...]) -> list[Prov
 
 
 def providers(dtype: str, w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, ...]) -> list[Provider]:
-    """The providers of a run: ``bf16_providers`` for "bf16", else those among the fp8 tmoe layer
-    and "scaled_grouped_mm" (a failing fp8 setup gives a provider that raises, reported as n/a)."""
+    """The providers of a run: ``bf16_providers`` for "bf16", ``low_bit_providers`` for int4, int8
+    and mxfp4, else those among the fp8 tmoe layer and "scaled_grouped_mm" (a failing fp8 setup
+    gives a provider that raises, reported as n/a)."""
     if dtype == "bf16":
         return bf16_providers(w1, w2, names)
+    if dtype in LOW_BIT_DTYPES:
+        return low_bit_providers(w1, w2, dtype, names)
     fp8 = []
     if "tmoe" in names:
         try:
@@ -292,7 +296,7 @@ class Ceilings:
     note: str = ""
 
     def rate(self, dtype: str) -> float:
-        return self.bf16_flops if dtype == "bf16" else self.fp8_flops
+        return self.fp8_flops if dtype.startswith("fp8") else self.bf16_flops
 
     def describe(self) -> str:
         """One line: the ceilings, then every trial (TB/s, TFLOP/s)."""

@@ -5,7 +5,10 @@ shared, so the pair with the best summed time wins). fp8 (``--quant fp8_block|fp
 weights quantized as checkpoints carry them, and the up GEMM is timed together with the
 intermediate's quantization (in its epilogue when the tile allows, else the quant stage).
 Results are written after every M, and M values already in the output file are skipped, so
-an interrupted run resumes. ``--direct`` tunes the decode path's down GEMM (fused top-k
+an interrupted run resumes. Weight-only low-bit (``--quant int4|int8|mxfp4``): weights as
+``tmoe.tools.low_bit`` quantizes them for the bench (group 128; mxfp4 32), tiles with block_k
+above and at most the group (two dequantization paths), pointer loads only; tables named
+``dtype=int4_w4a16`` etc. ``--direct`` tunes the decode path's down GEMM (fused top-k
 reduce) at the given M values of an existing table, adding ``direct_down`` to those rows.
 ``--tma`` times the rows of an existing table at the given M values against the TMA-weight
 candidates of the same block_m and keeps the fastest; it can be run again (not resumable).
@@ -20,11 +23,12 @@ from pathlib import Path
 
 import torch
 
+from tmoe.tools.low_bit import GROUP_SIZE, quantize as quantize_low_bit
 from tmoe.tools.peers import quantize_fp8
 from tmoe.config import GemmConfig, MoEConfig, config_file_name, device_name, read_table, save_table
 from tmoe.config.tables import SHIPPED_CONFIGS
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.gemm_args import Scales
+from tmoe.kernels.gemm_args import Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_gemm import Routing, invoke_moe_gemm
 from tmoe.kernels.quant import per_token_group_quant_fp8, per_token_quant_fp8
@@ -45,6 +49,16 @@ FP8_LARGE_TILES = [(64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3), (128, 128
 DIRECT_DOWN_TILES = [(16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 128, 4, 6), (32, 128, 4, 4),
                      (32, 128, 4, 5), (32, 256, 4, 3), (64, 128, 4, 4)]
 QUANTS = {"none": None, "fp8_block": (128, 128), "fp8_token": None}
+LOW_BIT = {"int4": GROUP_SIZE, "int8": GROUP_SIZE, "mxfp4": 32}  # weight-only schemes and their group sizes
+TABLE_DTYPES = {"fp8_block": "fp8_w8a8", "fp8_token": "fp8_w8a8", "int4": "int4_w4a16", "int8": "int8_w8a16",
+                "mxfp4": "mxfp4_w4a16"}
+
+
+def _k_cap(quant: str) -> int:
+    """The largest block_k of ``quant``: its activation group (fp8 block) or weight group (low-bit)."""
+    if quant in LOW_BIT:
+        return LOW_BIT[quant]
+    return QUANTS[quant][1] if QUANTS[quant] else 1 << 30
 
 
 def block_ms(m: int, e: int, topk: int) -> list[int]:
@@ -57,11 +71,15 @@ def candidates(block_m: int, gated: bool, quant: str = "none",
                tma: tuple[bool, ...] | None = None) -> list[GemmConfig]:
     """Tile configs to time; ``tma`` None: pointer loads, and TMA weight tiles too from block_m 64
     (on smaller tiles TMA was within 1% in the H200 retune)."""
+    if quant in LOW_BIT:  # each tile, and with block_k capped at the group (one scale per K step); no TMA
+        tiles = SMALL_TILES if block_m <= 32 else LARGE_TILES
+        tiles = sorted(set(tiles) | {(bn, min(bk, LOW_BIT[quant]), w, s) for bn, bk, w, s in tiles})
+        return [GemmConfig(block_m, bn, bk, 8, w, s) for bn, bk, w, s in tiles if not (gated and bn > 128)]
     if quant == "none":
         tiles = SMALL_TILES if block_m <= 32 else LARGE_TILES
     else:
         tiles = FP8_SMALL_TILES if block_m <= 32 else FP8_LARGE_TILES
-    cap = QUANTS[quant][1] if QUANTS[quant] else 1 << 30
+    cap = _k_cap(quant)
     if tma is None:
         tma = (False, True) if block_m >= 64 else (False,)
     return [GemmConfig(block_m, bn, bk, 8, w, s, tma=t) for t in tma
@@ -87,7 +105,8 @@ def _fastest(configs: list[GemmConfig], run) -> tuple[float, GemmConfig]:
 
 @dataclass(frozen=True)
 class Problem:
-    """What one tuning shape runs: w1 (E, 2N, K) / w2 (E, K, N) in the tuned dtype, their scales."""
+    """What one tuning shape runs: w1 (E, 2N, K) / w2 (E, K, N) in the tuned dtype (low-bit: codes),
+    their scales (and zero points)."""
 
     w1: torch.Tensor
     w2: torch.Tensor
@@ -95,6 +114,13 @@ class Problem:
     quant: str = "none"
     w1_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    w1_zp: torch.Tensor | None = None
+    w2_zp: torch.Tensor | None = None
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(E, N, K, topk), whatever the weights' packing."""
+        return self.w1.shape[0], self.w1.shape[1] // 2, self.w2.shape[1], self.topk
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Activations as the layer's prepare (or the between-GEMM quant stage) makes them."""
@@ -104,7 +130,10 @@ class Problem:
             return per_token_quant_fp8(x)
         return x, None
 
-    def scales(self, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None) -> Scales | None:
+    def scales(self, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
+               w_zp: torch.Tensor | None = None) -> Scales | WeightScales | None:
+        if self.quant in LOW_BIT:
+            return WeightScales(self.quant, w_scale, w_zp, LOW_BIT[self.quant])
         return None if a_scale is None else Scales(a_scale, w_scale, QUANTS[self.quant])
 
 
@@ -113,6 +142,9 @@ def make_problem(e: int, n: int, k: int, topk: int, dtype: torch.dtype, quant: s
     w2 = torch.randn(e, k, n, device="cuda", dtype=dtype) / n**0.5
     if quant == "none":
         return Problem(w1, w2, topk)
+    if quant in LOW_BIT:
+        (q1, s1, z1), (q2, s2, z2) = quantize_low_bit(w1, quant), quantize_low_bit(w2, quant)
+        return Problem(q1, q2, topk, quant, s1, s2, z1, z2)
     (w1q, s1), (w2q, s2) = quantize_fp8(w1, quant), quantize_fp8(w2, quant)
     return Problem(w1q, w2q, topk, quant, s1, s2)
 
@@ -120,19 +152,19 @@ def make_problem(e: int, n: int, k: int, topk: int, dtype: torch.dtype, quant: s
 def _gemm_runs(m: int, p: Problem, block_m: int):
     """(up(cfg), down(cfg)): launch the layer's two GEMMs (the up one with the intermediate's
     fp8 quantization) at ``m`` tokens of random routing, aligned to ``block_m``."""
-    e, n, k, topk = p.w2.shape[0], p.w2.shape[2], p.w2.shape[1], p.topk
+    e, n, k, topk = p.sizes
     x, x_scale = p.quantize(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     ids = torch.topk(torch.randn(m, e, device="cuda"), topk).indices.to(torch.int32)
     inter = torch.empty(m * topk, n, device="cuda", dtype=torch.bfloat16)
     inter_q, inter_scale = p.quantize(inter)
-    group = QUANTS[p.quant][1] if QUANTS[p.quant] else None
+    group = QUANTS[p.quant][1] if QUANTS.get(p.quant) else None
     fused_scale = torch.empty(m * topk, n // group, device="cuda") if group else None
     out = torch.empty(m * topk, k, device="cuda", dtype=torch.bfloat16)
     s, eids, ntpp = moe_align_block_size(ids, block_m, e)
     up_route, down_route = Routing(s, eids, ntpp, m * topk, topk), Routing(s, eids, ntpp, m * topk, 1)
 
     def up(cfg: GemmConfig) -> None:
-        scales = p.scales(x_scale, p.w1_scale)
+        scales = p.scales(x_scale, p.w1_scale, p.w1_zp)
         if group and cfg.block_n % group == 0 and n % group == 0:  # epilogue quantization
             invoke_moe_gemm(x, p.w1, inter_q, cfg, gated=True, routing=up_route, scales=scales,
                             out_scale=fused_scale)
@@ -142,7 +174,7 @@ def _gemm_runs(m: int, p: Problem, block_m: int):
 
     def down(cfg: GemmConfig) -> None:
         invoke_moe_gemm(inter_q, p.w2, out, cfg, gated=False, routing=down_route,
-                        scales=p.scales(inter_scale, p.w2_scale))
+                        scales=p.scales(inter_scale, p.w2_scale, p.w2_zp))
 
     return up, down
 
@@ -150,7 +182,7 @@ def _gemm_runs(m: int, p: Problem, block_m: int):
 def tune_m(m: int, p: Problem) -> tuple[MoEConfig, float]:
     """Best config at ``m`` tokens and its summed GEMM (+ intermediate quant) time in µs."""
     best: tuple[MoEConfig, float] | None = None
-    for bm in block_ms(m, p.w2.shape[0], p.topk):
+    for bm in block_ms(m, p.sizes[0], p.topk):
         up, down = _gemm_runs(m, p, bm)
         t_up, up_cfg = _fastest(candidates(bm, True, p.quant), up)
         t_down, down_cfg = _fastest(candidates(bm, False, p.quant), down)
@@ -175,15 +207,17 @@ def tune_tma(m: int, p: Problem, row: MoEConfig) -> tuple[MoEConfig, float]:
 
 def tune_direct_down(m: int, p: Problem) -> tuple[GemmConfig, float]:
     """Best decode-path down GEMM config at ``m`` tokens and its time in µs."""
-    e, n, k, topk = p.w2.shape[0], p.w2.shape[2], p.w2.shape[1], p.topk
+    e, n, k, topk = p.sizes
     ids = torch.topk(torch.randn(m, e, device="cuda"), topk).indices.to(torch.int32)
     weights = torch.rand(m, topk, device="cuda")
     inter_q, inter_scale = p.quantize(torch.randn(m * topk, n, device="cuda", dtype=torch.bfloat16))
     out = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-    cap = QUANTS[p.quant][1] if QUANTS[p.quant] else 1 << 30
-    configs = [GemmConfig(16, bn, bk, 8, w, s) for bn, bk, w, s in DIRECT_DOWN_TILES if bk <= cap]
+    tiles, cap = DIRECT_DOWN_TILES, _k_cap(p.quant)
+    if p.quant in LOW_BIT:
+        tiles, cap = sorted(set(tiles) | {(bn, min(bk, cap), w, s) for bn, bk, w, s in tiles}), 1 << 30
+    configs = [GemmConfig(16, bn, bk, 8, w, s) for bn, bk, w, s in tiles if bk <= cap]
     us, cfg = _fastest(configs, lambda c: moe_down_reduce(inter_q, p.w2, out, ids, e, c, topk_weights=weights,
-                                                          scales=p.scales(inter_scale, p.w2_scale)))
+                                                          scales=p.scales(inter_scale, p.w2_scale, p.w2_zp)))
     return cfg, us
 
 
@@ -192,14 +226,14 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--shape", required=True, help=f"one of {sorted(SHAPES)} or E,N,K,topk")
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    ap.add_argument("--quant", default="none", choices=sorted(QUANTS))
+    ap.add_argument("--quant", default="none", choices=sorted(QUANTS) + sorted(LOW_BIT))
     ap.add_argument("--out", default=str(SHIPPED_CONFIGS))
     ap.add_argument("--direct", action="store_true", help="add decode-path down tiles to the table's rows")
     ap.add_argument("--tma", action="store_true", help="time the table's rows against TMA-weight tiles, keep the fastest")
     args = ap.parse_args(argv)
     e, n, k, topk = SHAPES.get(args.shape) or tuple(int(v) for v in args.shape.split(","))
     path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")),
-                                             None if args.quant == "none" else "fp8_w8a8", QUANTS[args.quant])
+                                             TABLE_DTYPES.get(args.quant), QUANTS.get(args.quant))
     path.parent.mkdir(parents=True, exist_ok=True)
     table = read_table(path) if path.is_file() else {}
     ms = [int(v) for v in args.ms.split(",")]
