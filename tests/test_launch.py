@@ -190,6 +190,10 @@ def test_layer_replays_its_launches_without_launcher_keys(monkeypatch, device):
             assert not calls
     check(m + 1)
     assert calls
+    calls.clear()
+    launch_mod.clear_launch_caches()  # recorded sequences are dropped with the plans
+    check(m + 1)
+    assert calls
 
 
 def test_launch_sequence_mismatch_falls_back_to_keys(gpu_branch):

@@ -85,11 +85,15 @@ _tables: dict[int, dict[tuple, _Compiled | None]] = {}  # id(kernel) -> signatur
 _plan_tables: list[dict] = []  # each @planned launcher's plans
 
 
+_generation = [0]  # bumped by clear_launch_caches: recorded launch sequences are recorded again
+
+
 def clear_launch_caches() -> None:
     """Forget every signature seen: the next launches go through Triton again (tests)."""
     _tables.clear()
     for plans in _plan_tables:
         plans.clear()
+    _generation[0] += 1
 
 
 def direct_call_count() -> int:
@@ -207,15 +211,18 @@ class LaunchSequence:
     configuration state). A launch that cannot be replayed (a body that launched itself, or a
     different launcher at a step) makes the sequence fall back to the per-launcher keys for good."""
 
-    __slots__ = ("steps", "recorded", "valid")
+    __slots__ = ("steps", "recorded", "valid", "generation")
 
     def __init__(self) -> None:
         self.steps: list[tuple[Callable, _Plan]] = []
         self.recorded = False
         self.valid = True
+        self.generation = _generation[0]
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
+        if self.generation != _generation[0]:  # the caches were cleared: record afresh
+            self.steps, self.recorded, self.valid, self.generation = [], False, True, _generation[0]
         if not self.valid:
             yield
             return
