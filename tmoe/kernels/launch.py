@@ -12,10 +12,11 @@ what ``kernel[grid]`` would.
 ``@planned`` goes one step further for a launcher whose kernel reads its arguments' tensors
 directly: the launcher's body (checks, tile fitting, strides, the kernel's keyword arguments)
 runs once per static signature of the launcher's arguments, and later calls only swap the
-tensors in.
+tensors in. ``LaunchSequence`` records the planned launches of a composite call (a layer call)
+so later calls with the same signature replay them without computing each launcher's key.
 
-Launches go through Triton as usual under the interpreter's launch path where noted, with a
-launch hook installed (profilers), and for tensor-descriptor arguments."""
+Triton's own path is kept under the interpreter, without a CUDA device, with a launch hook
+installed (profilers), and for tensor-descriptor arguments (the caller launches those itself)."""
 from __future__ import annotations
 
 import contextlib
