@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tmoe.kernels.checks import positive_int
 from tmoe.kernels.dispatch import batched_dispatch
 from tmoe.kernels.ep_permute import ep_permute
 from tmoe.kernels.reduce import moe_reduce
+from tmoe.modular.distributed import NamedGroup, group_name_of
 from tmoe.modular.interfaces import FusedMoEActivationFormat, FusedMoEPrepareAndFinalize, PrepareResult
 from tmoe.modular.placement import PLACEMENTS, check_placement, send_buffer_map
 from tmoe.modular.quantize import quantize_activations
@@ -59,7 +59,7 @@ class AllToAllPrepareResult(PrepareResult):
     recv_offsets: torch.Tensor | None = None
 
 
-class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
+class AllToAllPrepareAndFinalize(NamedGroup, FusedMoEPrepareAndFinalize):
     """BatchedExperts-format expert parallelism: all-to-all dispatch and combine with fixed capacity.
 
     Args:
@@ -81,9 +81,7 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
 
     def __init__(self, group: dist.ProcessGroup | str | None, max_tokens_per_rank: int, num_experts: int,
                  capacity: int | None = None, placement: str = "contiguous") -> None:
-        if group is None:
-            group = dist.group.WORLD
-        self._group_name = group if isinstance(group, str) else group.group_name
+        self._group_name = group_name_of(group)
         self.max_tokens_per_rank = positive_int("max_tokens_per_rank", max_tokens_per_rank)
         self.num_experts = positive_int("num_experts", num_experts)
         self.capacity = self.max_tokens_per_rank if capacity is None else positive_int("capacity", capacity)
@@ -91,13 +89,7 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         self.num_local_experts = check_placement(placement, self.num_experts, self.world_size)
         self.placement = placement
         self._maps: dict[torch.device, torch.Tensor | None] = {}
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return _resolve_process_group(self._group_name)
-
-    def group_name(self) -> str:
-        return self._group_name
+        self._counters: dict[torch.device, torch.Tensor] = {}  # dropped_slots per device, looked up once
 
     def op_args(self) -> tuple[int, ...]:
         return (self.max_tokens_per_rank, self.num_experts, self.capacity, PLACEMENTS.index(self.placement))
@@ -170,7 +162,10 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalize):
             a1q, topk_ids, num_experts, num_experts, cap, x_scale=row_scale, expert_map=self._send_map(a1.device),
         )
         routed = (topk_ids >= 0) & (topk_ids < num_experts)
-        self.dropped_slots(a1.device).add_((routed & (rows < 0)).sum())
+        counter = self._counters.get(a1.device)
+        if counter is None:
+            counter = self._counters[a1.device] = self.dropped_slots(a1.device)
+        counter.add_((routed & (rows < 0)).sum())
         k = a1q.shape[1]
         recv = _all_to_all(send.view(num_experts * cap, k), group)
         counts = _all_to_all(send_counts, group).clamp_(0, cap)  # (W * E_local,) bounded whatever arrives

@@ -17,6 +17,27 @@ from tmoe.modular.interfaces import FusedMoEActivationFormat, FusedMoEPrepareAnd
 from tmoe.modular.quantize import quantize_activations
 
 
+def group_name_of(group: dist.ProcessGroup | str | None) -> str:
+    """A process group's name (None: the default group): the by-value form layer ops carry."""
+    if group is None:
+        group = dist.group.WORLD
+    return group if isinstance(group, str) else group.group_name
+
+
+class NamedGroup:
+    """A process group kept by name, as torch.distributed's functional collectives keep it, so
+    the PrepareAndFinalize holding it stays a value (copies, pickles and traces by that name)."""
+
+    _group_name: str
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return _resolve_process_group(self._group_name)
+
+    def group_name(self) -> str:
+        return self._group_name
+
+
 def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
     """(world * n, ...) = the ranks' (n, ...) tensors stacked in rank order."""
     world = dist.get_world_size(group)
@@ -40,7 +61,7 @@ def _reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor, group) -> None:
     out.copy_(part)
 
 
-class AllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalize):
+class AllGatherPrepareAndFinalize(NamedGroup, FusedMoEPrepareAndFinalize):
     """Standard-format expert parallelism: all-gather dispatch, reduce-scatter combine.
 
     Use with ``TritonExperts`` and, in the layer call, ``global_num_experts`` plus an
@@ -52,16 +73,7 @@ class AllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalize):
     kind = "allgather"
 
     def __init__(self, group: dist.ProcessGroup | str | None = None) -> None:
-        if group is None:
-            group = dist.group.WORLD
-        self._group_name = group if isinstance(group, str) else group.group_name
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return _resolve_process_group(self._group_name)
-
-    def group_name(self) -> str:
-        return self._group_name
+        self._group_name = group_name_of(group)
 
     @classmethod
     def from_op_args(cls, args: tuple[int, ...], group_name: str) -> AllGatherPrepareAndFinalize:

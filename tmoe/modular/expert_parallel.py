@@ -10,7 +10,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tmoe.kernels.checks import positive_int
 from tmoe.modular.alltoall import AllToAllPrepareAndFinalize
-from tmoe.modular.distributed import AllGatherPrepareAndFinalize
+from tmoe.modular.distributed import AllGatherPrepareAndFinalize, group_name_of
 from tmoe.modular.experts import BatchedTritonExperts, TritonExperts
 from tmoe.modular.interfaces import FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize
 from tmoe.modular.placement import PLACEMENTS, check_placement, expert_map, shard_experts
@@ -41,8 +41,7 @@ class ExpertParallel:
     capacity: int | None = None
 
     def __post_init__(self) -> None:
-        group = dist.group.WORLD if self.group is None else self.group
-        object.__setattr__(self, "group", group if isinstance(group, str) else group.group_name)
+        object.__setattr__(self, "group", group_name_of(self.group))
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.placement not in PLACEMENTS:
