@@ -346,3 +346,17 @@ def test_bench_ep_runs_at_world_size_1(capsys):
     from tmoe.tools.bench_ep import main
 
     assert main(["--shapes", "tiny", "--ms", "3", "--iters", "1", "--warmup", "0", "--world-size", "1"]) == 0
+
+
+def test_no_process_group_is_a_clear_error():
+    """Without init_process_group (this process has none) the default group is refused by name."""
+    import tmoe
+
+    assert not dist.is_initialized()
+    want = "expert parallelism needs a process group: call torch.distributed.init_process_group"
+    for make in (lambda: tmoe.ExpertParallel(max_tokens_per_rank=4), lambda: tmoe.AllToAllPrepareAndFinalize(None, 4, 8),
+                 lambda: tmoe.AllGatherPrepareAndFinalize()):
+        with pytest.raises(RuntimeError, match=want):
+            make()
+    with pytest.raises(ValueError, match="mode must be one of"):  # the value's own checks come first
+        tmoe.ExpertParallel(mode="ring", max_tokens_per_rank=4)

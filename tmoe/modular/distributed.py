@@ -20,6 +20,9 @@ from tmoe.modular.quantize import quantize_activations
 def group_name_of(group: dist.ProcessGroup | str | None) -> str:
     """A process group's name (None: the default group): the by-value form layer ops carry."""
     if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("expert parallelism needs a process group: call torch.distributed.init_process_group() "
+                               "first, or pass group=")
         group = dist.group.WORLD
     return group if isinstance(group, str) else group.group_name
 

@@ -41,13 +41,13 @@ class ExpertParallel:
     capacity: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "group", group_name_of(self.group))
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         if self.mode == "alltoall":
             positive_int("max_tokens_per_rank", self.max_tokens_per_rank)
+        object.__setattr__(self, "group", group_name_of(self.group))
 
     @property
     def world_size(self) -> int:
