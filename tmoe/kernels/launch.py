@@ -169,7 +169,7 @@ class _Plan:
         self.static = {name: v for name, v in launch_.kwargs.items() if name not in tensors}
         self.slots = tuple(where[id(v)] for v in tensors.values())
         self.result_slot = where[id(launch_.result)]
-        self.compiled: dict[int, _Compiled | None] = {}  # device index -> compiled
+        self.compiled: dict[int, _Compiled] = {}  # device index -> compiled
         self.template: list = []  # the kernel's parameters in order, tensors as placeholders
         self.positions: tuple[int, ...] = ()  # where each slot's tensor goes in the template
 
@@ -192,7 +192,7 @@ class _Plan:
         """Through Triton; keep the compiled kernel (unless it cannot be called directly)."""
         kwargs = {**dict(zip(self.names, tensors)), **self.static}
         compiled = _compile(self.kernel, self.grid, (), kwargs)
-        if compiled is None or device in self.compiled:
+        if compiled is None:  # not directly callable: every launch goes through Triton
             return
         values = (*tensors, *self.static.values())
         self.positions = tuple(compiled.order.index(j) for j in range(len(tensors)))
