@@ -123,7 +123,8 @@ def test_planned_body_with_a_tensor_of_its_own_runs_every_call(gpu_branch):
     a, b = torch.ones(8), torch.zeros(8)
     for _ in range(2):
         launcher(a, b, 3, derived=True)
-    assert bodies == [3, 3] and kernel.compiles == 2 and kernel.log[1][2][0].tolist() == [2.0] * 8
+    assert bodies == [3, 3] and kernel.compiles == 1  # the body each call, its launch the direct call
+    assert kernel.log[1][0] == "direct" and kernel.log[1][2][0].tolist() == [2.0] * 8
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ import triton.language as tl
 from tmoe.kernels.checks import check_shape, check_tensor
 from tmoe.kernels.common import cdiv, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -89,8 +90,8 @@ def ep_permute(
     block_r = 16
     world = segments // num_local_experts
     grid = (segments, max(1, min(cdiv(capacity, block_r), 64)))
-    _ep_permute_kernel[grid](
-        s, o, counts, offsets, D=d, capacity=capacity, num_local_experts=num_local_experts,
+    launch(
+        _ep_permute_kernel, grid, s, o, counts, offsets, D=d, capacity=capacity, num_local_experts=num_local_experts,
         batch_rows=world * capacity, stride_src=s.stride(0), stride_dst=o.stride(0),
         BLOCK_R=block_r, BLOCK_D=min(512, next_power_of_2(max(d, 16))), TO_BATCH=to_batch,
     )

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.interpreter import INTERPRETED
@@ -107,21 +108,44 @@ def direct_call_count() -> int:
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)`` (``grid`` a tuple of up to three ints), with the direct
     call of the compiled kernel once this argument signature has been launched."""
+    recorder = getattr(_local, "recorder", None)
+    if recorder is None:
+        _launch(kernel, grid, args, kwargs)
+        return
+    with recorder.launching(kernel, grid, {**dict(zip(kernel.arg_names, args)), **kwargs}) as entry:
+        entry.compiled = _launch(kernel, grid, args, kwargs)
+
+
+def _key_of(v: Any) -> Any:
+    """What Triton specializes on in an argument: a tensor's dtype and 16-byte alignment, a
+    descriptor's base dtype and alignment and its block (its sizes and strides are runtime
+    values), any other value as it is."""
+    if isinstance(v, _Tensor):
+        return v.dtype, v.data_ptr() % 16 == 0
+    if isinstance(v, TensorDescriptor):
+        return (TensorDescriptor, v.base.dtype, v.base.data_ptr() % 16 == 0,
+                *[tuple(x) if isinstance(x, list) else x for name, x in vars(v).items()
+                  if name not in ("base", "shape", "strides")])
+    return v
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> _Compiled | None:
+    """Launch; the compiled kernel when it was called directly, None when through Triton."""
     if not DIRECT_CALLS or _hooked():
         kernel[grid](*args, **kwargs)
-        return
+        return None
     values = args + tuple(kwargs.values())
     device = torch._C._cuda_getDevice()
     table = _tables.setdefault(id(kernel), {})
-    key = (device, tuple(kwargs),
-           tuple((v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, _Tensor) else v for v in values))
+    key = (device, tuple(kwargs), tuple(_key_of(v) for v in values))
     compiled = table.get(key)
     if compiled is None:
         if len(table) >= MAX_SIGNATURES:
             table.clear()
         table[key] = _compile(kernel, grid, args, kwargs)
-        return
+        return None
     compiled(_grid3(grid), device, values)
+    return compiled
 
 
 @dataclass
@@ -174,19 +198,30 @@ class _Plan:
         self.positions: tuple[int, ...] = ()  # where each slot's tensor goes in the template
 
     def __call__(self, leaves: list) -> Any:
+        recorder = getattr(_local, "recorder", None)
+        if recorder is None:
+            self._launch(leaves)
+        else:
+            with recorder.launching(self.kernel, self.grid,
+                                    {**self.static, **{n: leaves[i] for n, i in zip(self.names, self.slots)}}) as entry:
+                entry.compiled = self._launch(leaves)
+        return leaves[self.result_slot]
+
+    def _launch(self, leaves: list) -> _Compiled | None:
+        """Launch; the compiled kernel when it was called directly, None when through Triton."""
         if not DIRECT_CALLS or _hooked():
             self.kernel[self.grid](**self.static, **{n: leaves[i] for n, i in zip(self.names, self.slots)})
-            return leaves[self.result_slot]
+            return None
         device = torch._C._cuda_getDevice()
         compiled = self.compiled.get(device)
         if compiled is None:
             self._first_launch(device, [leaves[i] for i in self.slots])
-        else:
-            params = self.template.copy()
-            for pos, i in zip(self.positions, self.slots):
-                params[pos] = leaves[i]
-            compiled.launch(self.grid3, device, params)
-        return leaves[self.result_slot]
+            return None
+        params = self.template.copy()
+        for pos, i in zip(self.positions, self.slots):
+            params[pos] = leaves[i]
+        compiled.launch(self.grid3, device, params)
+        return compiled
 
     def _first_launch(self, device: int, tensors: list) -> None:
         """Through Triton; keep the compiled kernel (unless it cannot be called directly)."""
@@ -264,7 +299,7 @@ class _Cursor:
             self.steps.append((launcher, plan))
 
 
-_local = threading.local()  # .cursor: the active LaunchSequence's cursor on this thread
+_local = threading.local()  # .cursor: the active LaunchSequence's cursor; .recorder: a recording CallReplay's (replay.py)
 
 
 def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
@@ -294,7 +329,7 @@ def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
                 try:
                     plan = _Plan(launch_, leaves)
                 except LookupError:
-                    launch_.kernel[launch_.grid](**launch_.kwargs)
+                    launch(launch_.kernel, launch_.grid, **launch_.kwargs)
                     launch_ = launch_.result
             if plan is None:
                 if mode == "record":

@@ -28,7 +28,7 @@ from tmoe.kernels.gemm_args import (
     weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import Launch, planned
+from tmoe.kernels.launch import Launch, launch, planned
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -285,7 +285,7 @@ def invoke_moe_gemm(
         **route, **scale_args(scales, a, w, config),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned
-        _moe_gemm_kernel[grid](**{**kwargs, "w_ptr": w_desc})
+        launch(_moe_gemm_kernel, grid, **{**kwargs, "w_ptr": w_desc})
         return out
     return Launch(_moe_gemm_kernel, grid, kwargs, out)
 

@@ -15,6 +15,7 @@ from tmoe.kernels.common import w1_rows_per_n
 from tmoe.config import config_state
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import LaunchSequence
+from tmoe.kernels.replay import CallReplay
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import call_signature, check_layer_call, check_static_scales
 from tmoe.modular.interfaces import (
@@ -99,8 +100,10 @@ class KernelSpec:
 
 
 class CallPlan(NamedTuple):
-    """What a call's signature fixes: sizes, the chunk, the workspace and fused-output shapes, and
-    the sequence of planned launches (recorded on the first call, replayed after)."""
+    """What a call's signature fixes: sizes, the chunk, the workspace and fused-output shapes, the
+    sequence of planned launches (recorded on the first call, replayed after) and the whole call's
+    launches (recorded on the second call, replayed after; not with a process group: collectives
+    are no Triton launches)."""
 
     m: int
     k: int
@@ -113,6 +116,7 @@ class CallPlan(NamedTuple):
     ws2: tuple[int, ...]
     out: tuple[int, ...]
     launches: LaunchSequence
+    replay: CallReplay | None
 
 
 class ModularKernel:
@@ -130,8 +134,8 @@ class ModularKernel:
     def run(self, output: torch.Tensor, args: LayerArgs) -> torch.Tensor:
         """Writes the layer output into ``output`` (M, K) and returns it."""
         chunk_size = self.chunk_size or default_chunk_size()
-        key = (call_signature(args), output.stride(), output.dtype, output.data_ptr() % 16, chunk_size,
-               config_state())
+        key = (call_signature(args), output.stride(), output.dtype, output.data_ptr() % 16,
+               output.data_ptr() == args.hidden_states.data_ptr(), chunk_size, config_state())
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(args, chunk_size)
@@ -139,9 +143,14 @@ class ModularKernel:
                 self._plans.clear()
             self._plans[key] = plan
         check_static_scales(args)
-        m, chunk = plan.m, plan.chunk
+        m = plan.m
         if m == 0 and not self.prepare_finalize.runs_with_no_tokens():
             return output
+        if plan.replay is None:
+            return self._run_planned(output, args, plan)
+        return plan.replay.run((output, *args), lambda: self._run_planned(output, args, plan))
+
+    def _run_planned(self, output: torch.Tensor, args: LayerArgs, plan: CallPlan) -> torch.Tensor:
         with plan.launches.active():  # the first call of a signature records its launches, later ones replay them
             return self._run_chunks(output, args, plan)
 
@@ -180,7 +189,8 @@ class ModularKernel:
         chunk = max(1, min(m, chunk_size) if experts.supports_chunking() else m)
         ws13, ws2, out = experts.workspace_shapes(x, pf.num_dispatched_tokens(min(m, chunk)), n, k, topk, num_experts,
                                                   e_local)
-        return CallPlan(m, k, n, topk, e_local, num_experts, chunk, ws13, ws2, out, LaunchSequence())
+        replay = None if pf.group_name() else CallReplay()
+        return CallPlan(m, k, n, topk, e_local, num_experts, chunk, ws13, ws2, out, LaunchSequence(), replay)
 
     def _run_chunk(self, output: torch.Tensor, args: LayerArgs, x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor, plan: CallPlan, ws13: torch.Tensor, ws2: torch.Tensor,

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tmoe.kernels.replay import not_recorded
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -74,7 +76,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance | torch.dt
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with NaN (floats) or a large sentinel (ints) so unwritten elements fail a check."""
-    if t.dtype.is_floating_point:
-        return t.fill_(float("nan"))
-    return t.fill_(torch.iinfo(t.dtype).max if t.dtype != torch.bool else True)
+    """Fill ``t`` with NaN (floats) or a large sentinel (ints) so unwritten elements fail a check.
+    It stands in for an allocation, so a layer call recording its launches does not count the fill."""
+    with not_recorded():
+        if t.dtype.is_floating_point:
+            return t.fill_(float("nan"))
+        return t.fill_(torch.iinfo(t.dtype).max if t.dtype != torch.bool else True)

@@ -1,22 +1,59 @@
-"""Host-side (Python) time of one ``tmoe.fused_experts`` call with the Triton launches stubbed
-out, on CPU: what tmoe's own checks, config lookup and allocation cost per eager call, apart
-from Triton's launch path and the kernels. ``python -m tmoe.tools.host_overhead [--profile]``"""
+"""Host-side (Python) time of one ``tmoe.fused_experts`` call with the kernel launches stubbed
+out, on CPU: what tmoe's own checks, plans, allocation and launch calls cost per eager call.
+
+``python -m tmoe.tools.host_overhead [--profile] [--path gpu|interpreter]``. Two paths:
+- ``gpu`` (default): the path a CUDA device takes, simulated on CPU (Triton's JIT is not put in
+  interpreter mode; compiled kernels are called directly, as on a GPU, and their launch, the C
+  launcher Triton provides, is a no-op);
+- ``interpreter``: the CPU path (Triton's interpreter, its kernel run a no-op; includes the
+  interpreter workarounds' swap, which a GPU does not have).
+Without ``--path`` both run, each in its own process."""
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
+import subprocess
 import sys
 import time
 
 import torch
 
-import tmoe
+
+class _StubCompiled:
+    """A compiled kernel whose launch does nothing (Triton's C launcher, stubbed)."""
+
+    function = packed_metadata = None
+
+    @staticmethod
+    def run(*args) -> None:
+        return None
 
 
-def main(profile: bool = False, reps: int = 200, trials_count: int = 10) -> float:
+def _stub_gpu_path() -> None:
+    from triton.runtime.jit import JITFunction
+
+    from tmoe.kernels import launch
+
+    JITFunction.run = lambda self, *args, **kwargs: _StubCompiled()  # Triton's binder and compile, stubbed
+    launch.DIRECT_CALLS = True
+    torch._C._cuda_getDevice = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda device: 0
+
+
+def _stub_interpreter_path() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
-    InterpretedFunction.run = lambda self, *args, **kwargs: None  # no kernel work: measure tmoe's Python only
+    InterpretedFunction.run = lambda self, *args, **kwargs: None
+
+
+def measure(path: str, profile: bool = False, reps: int = 200, trials_count: int = 10) -> float:
+    import tmoe
+    from tmoe.kernels.interpreter import INTERPRETED
+
+    if INTERPRETED != (path == "interpreter"):
+        sys.exit(f"the {path} path needs TRITON_INTERPRET={int(path == 'interpreter')} before tmoe is imported")
+    (_stub_interpreter_path if path == "interpreter" else _stub_gpu_path)()
     m, e, n, k, topk = 1, 128, 768, 2048, 8  # Qwen3-30B-A3B decode
     x = torch.randn(m, k, dtype=torch.bfloat16)
     w1, w2 = torch.randn(e, 2 * n, k, dtype=torch.bfloat16), torch.randn(e, k, n, dtype=torch.bfloat16)
@@ -31,8 +68,8 @@ def main(profile: bool = False, reps: int = 200, trials_count: int = 10) -> floa
             tmoe.fused_experts(x, w1, w2, weights, ids)
         trials.append((time.perf_counter() - t0) / reps * 1e6)
     us = min(trials)
-    print(f"fused_experts host time (launches stubbed, Qwen3-30B-A3B M=1, best of {trials_count} x {reps} calls): "
-          f"{us:.1f} us/call")
+    print(f"fused_experts host time, {path} path (launches stubbed, Qwen3-30B-A3B M=1, best of {trials_count} x "
+          f"{reps} calls): {us:.1f} us/call")
     if profile:
         prof = cProfile.Profile()
         prof.runcall(lambda: [tmoe.fused_experts(x, w1, w2, weights, ids) for _ in range(200)])
@@ -40,7 +77,18 @@ def main(profile: bool = False, reps: int = 200, trials_count: int = 10) -> floa
     return us
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> None:
     if torch.cuda.is_available():
-        sys.exit("run this on a CPU-only machine: it stubs the Triton interpreter's launches")
-    main(profile="--profile" in sys.argv)
+        sys.exit("run this on a CPU-only machine: it stubs the kernel launches")
+    profile = "--profile" in argv
+    if "--path" in argv:
+        measure(argv[argv.index("--path") + 1], profile)
+        return
+    for path in ("gpu", "interpreter"):
+        env = {**os.environ, "TRITON_INTERPRET": "1" if path == "interpreter" else "0"}
+        cmd = [sys.executable, "-m", "tmoe.tools.host_overhead", "--path", path] + (["--profile"] if profile else [])
+        subprocess.run(cmd, env=env, check=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
