@@ -16,8 +16,9 @@ its storage:
 - memory that outlives the call (a cached constant): replayed as it is.
 
 A replay launches the compiled kernels directly with integer addresses on a GPU, and through
-Triton (tensors rebuilt as views) under the interpreter. It is skipped while a launch hook is
-installed (profilers then see Triton's launches) and after ``clear_launch_caches``."""
+Triton (tensors rebuilt as views) under the interpreter. Calls run plainly while a launch hook is
+installed (profilers then see Triton's launches) and while a CUDA graph is captured; recordings
+are dropped by ``clear_launch_caches``."""
 from __future__ import annotations
 
 import contextlib
@@ -101,6 +102,12 @@ class _Step:
         self.sources = tuple((self.names.index(n), src) for n, src in sources.items())
 
 
+def _capturing() -> bool:
+    """A CUDA graph is being captured: the call runs plainly (its host time is paid once) and
+    nothing recorded holds memory of the graph's pool."""
+    return _launch.DIRECT_CALLS and torch.cuda.is_current_stream_capturing()
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -153,12 +160,13 @@ class CallReplay:
         if self.generation != _launch._generation[0]:
             self.calls, self.attempts, self.steps, self.keep = 0, 0, None, []
             self.generation = _launch._generation[0]
-        if self.steps is not None and not _launch._hooked() and self._on_device():
+        if _launch._hooked() or _capturing():
+            return body()
+        if self.steps is not None and self._on_device():
             self._replay(inputs)
             return inputs[0]
         self.calls += 1
-        if self.calls < 2 or self.attempts >= RECORD_ATTEMPTS or _launch._hooked() \
-                or getattr(_launch._local, "recorder", None) is not None:
+        if self.calls < 2 or self.attempts >= RECORD_ATTEMPTS or getattr(_launch._local, "recorder", None) is not None:
             return body()
         self.attempts += 1
         recorder = _Recorder()
