@@ -39,6 +39,7 @@ def _stub_gpu_path() -> None:
     launch.DIRECT_CALLS = True
     torch._C._cuda_getDevice = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda device: 0
+    torch.cuda.is_current_stream_capturing = lambda: False
 
 
 def _stub_interpreter_path() -> None:
