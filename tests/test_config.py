@@ -62,3 +62,13 @@ def test_table_round_trip_keeps_direct_down(tmp_path):
     table = {1: MoEConfig(up, down, GemmConfig(16, 16, 128, num_stages=6)), 64: MoEConfig(up, down)}
     save_table(tmp_path / "t.json", table)
     assert read_table(tmp_path / "t.json") == table
+
+
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_low_bit_heuristic_caps_block_k_at_the_group(m):
+    """Weight-only low-bit layers without a table: one scale group per K step, no TMA (the group
+    size reaches the heuristic)."""
+    cfg = get_config(m, 128, 768, 2048, 8, torch.device("cpu"), quant="mxfp4_w4a16", group_size=32)
+    for g in (cfg.up, cfg.down):
+        assert g.block_k == 32 and not g.tma
+    assert get_config(m, 128, 768, 2048, 8, torch.device("cpu")).up.block_k > 32
