@@ -154,6 +154,14 @@ def _step_values(q, zp, s, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _repeat_rows(x, ROWS: tl.constexpr):
+    """[NG, BN] -> [ROWS, BN]: row i of x repeated over rows [i * ROWS / NG, (i + 1) * ROWS / NG)."""
+    NG: tl.constexpr = x.shape[0]
+    BN: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.broadcast_to(x[:, None, :], (NG, ROWS // NG, BN)), (ROWS, BN))
+
+
+@triton.jit
 def fast_dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_zpk, mask_n,
                      BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr,
                      PRECISION: tl.constexpr):
@@ -180,14 +188,15 @@ def fast_dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, str
         else:
             part = tl.dot(a, _step_values(q, zp, 1.0, QUANT).to(a.dtype), input_precision=PRECISION)
         acc += part * s
-    else:
-        if PACKED:
-            k = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # [BK/2]: the even k of each byte (K is even)
-        else:
-            k = k0 + tl.arange(0, BLOCK_K)
-        mask = mask_n[None, :] & (k < K)[:, None]  # no group past K
-        s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], (k // GROUP_K)[:, None],
-                              stride_sk, stride_zpk, mask, QUANT, HAS_ZP)  # [BK/2, BN] ([BK, BN] int8)
+    else:  # the step's NG groups loaded once, each repeated over its rows of q
+        NG: tl.constexpr = BLOCK_K // GROUP_K
+        ROWS: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K
+        g = k0 // GROUP_K + tl.arange(0, NG)  # [NG]
+        mask = mask_n[None, :] & (g * GROUP_K < K)[:, None]  # no group past K
+        s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], g[:, None], stride_sk,
+                              stride_zpk, mask, QUANT, HAS_ZP)  # [NG, BN]
+        s = _repeat_rows(s, ROWS)  # [ROWS, BN]
+        zp = _repeat_rows(zp, ROWS)
         if PACKED:
             acc = tl.dot(a_even, _step_values(lo, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
             acc = tl.dot(a_odd, _step_values(hi, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
