@@ -50,8 +50,8 @@ def zero_point_rows(rows, QUANT: tl.constexpr):
 @triton.jit
 def group_dequant(s_ptrs, zp_ptrs, zp_shift, k_group, stride_sk, stride_zpk, mask,
                   QUANT: tl.constexpr, HAS_ZP: tl.constexpr):
-    """(scale float32, zero point int32) of K groups ``k_group`` (a scalar: [1, BN]; [BK, 1]:
-    [BK, BN]) of the tile's columns (``s_ptrs``, ``zp_ptrs``, ``zp_shift`` [1, BN]): mxfp4 scales
+    """(scale float32, zero point int32) of K groups ``k_group`` (a scalar: [1, BN]; [R, 1]:
+    [R, BN]) of the tile's columns (``s_ptrs``, ``zp_ptrs``, ``zp_shift`` [1, BN]): mxfp4 scales
     are e8m0 bytes, 2^(s - 127); zero points default to 8 (int4) and 128 (int8)."""
     s = tl.load(s_ptrs + k_group * stride_sk, mask=mask, other=0)
     zp = s.to(tl.int32) * 0
