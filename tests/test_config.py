@@ -62,3 +62,33 @@ def test_table_round_trip_keeps_direct_down(tmp_path):
     table = {1: MoEConfig(up, down, GemmConfig(16, 16, 128, num_stages=6)), 64: MoEConfig(up, down)}
     save_table(tmp_path / "t.json", table)
     assert read_table(tmp_path / "t.json") == table
+
+
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_low_bit_heuristic_caps_block_k_at_the_group(m):
+    """Weight-only low-bit layers without a table: one scale group per K step, no TMA (the group
+    size reaches the heuristic)."""
+    cfg = get_config(m, 128, 768, 2048, 8, torch.device("cpu"), quant="mxfp4_w4a16", group_size=32)
+    for g in (cfg.up, cfg.down):
+        assert g.block_k == 32 and not g.tma
+    assert get_config(m, 128, 768, 2048, 8, torch.device("cpu")).up.block_k > 32
+
+
+def test_low_bit_tables_are_named_and_found(tmp_path, monkeypatch):
+    """Tables written under the tune CLI's low-bit names (vLLM's dtype=..._w4a16 style) are the
+    ones a layer with that FusedMoEQuantConfig looks up."""
+    from tmoe.tools.tune import TABLE_DTYPES
+
+    tuned = tmoe.MoEConfig(tmoe.GemmConfig(16, 32, 32), tmoe.GemmConfig(16, 64, 32))
+    dev = torch.device("cpu")
+    for scheme, group in (("int4", 128), ("int8", 64), ("mxfp4", 32)):
+        qc = tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=group)
+        assert qc.quant_name == TABLE_DTYPES[scheme]
+        save_table(tmp_path / config_file_name(5, 40, "cpu", TABLE_DTYPES[scheme]), {8: tuned})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"E=5,N=40,device_name=cpu,dtype={d}.json" for d in ("int4_w4a16", "int8_w8a16", "mxfp4_w4a16")]
+    monkeypatch.setenv("TMOE_CONFIG_DIR", str(tmp_path))
+    for scheme, group in (("int4", 128), ("int8", 64), ("mxfp4", 32)):
+        quant = TABLE_DTYPES[scheme]
+        assert get_config(8, 5, 40, 64, 2, dev, quant=quant, group_size=group) == tuned
+    assert get_config(8, 5, 40, 64, 2, dev, group_size=32) != tuned  # bf16's name: no table, heuristic

@@ -58,6 +58,22 @@ SCRIPT = textwrap.dedent("""
             with tmoe.override_route(route), tmoe.override_config(tmoe.MoEConfig(cfg, cfg)):
                 tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
                 tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
+    from tmoe.kernels import gemm_args
+    from tmoe.kernels.launch import clear_launch_caches
+    for scheme, fast in (("int4", False), ("int4", True), ("mxfp4", True)):  # low-bit, FAST_DEQUANT off and on
+        gemm_args.FAST_DEQUANT = fast
+        clear_launch_caches()
+        g = 32 if scheme == "mxfp4" else 128
+        if scheme == "mxfp4":
+            (q1, s1), (q2, s2), z1, z2 = tmoe.quantize_weight_mxfp4(p.w1), tmoe.quantize_weight_mxfp4(p.w2), None, None
+        else:
+            q1, s1, z1 = tmoe.quantize_weight_int4(p.w1, g, zero_point=True)
+            q2, s2, z2 = tmoe.quantize_weight_int4(p.w2, g, zero_point=True)
+        low_bit = dict(quant_config=tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=g), w1_scale=s1,
+                       w2_scale=s2, w1_zp=z1, w2_zp=z2)
+        for route in ("sorted", "direct"):
+            with tmoe.override_route(route):
+                tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, **low_bit)
     batched = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(16, 4), tmoe.BatchedTritonExperts(16))
     batched(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
     tmoe.per_token_quant_fp8(p.x)

@@ -82,7 +82,7 @@ def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str |
         cfg = table[min(table, key=lambda tm: abs(tm - m))]
         if block_k_cap is None or (cfg.up.block_k <= block_k_cap and cfg.down.block_k <= block_k_cap):
             return cfg
-    return _heuristic(m, e, n, k, topk, block_k_cap)
+    return _heuristic(m, e, n, k, topk, block_k_cap, group_size)
 
 
 # M * topk at or below which a Standard-format layer takes the decode path (no align stage,

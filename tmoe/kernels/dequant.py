@@ -4,7 +4,13 @@ offsets along K of packed weights, the scales and zero points of a K step, the u
 
 BLOCK_K <= GROUP_K (one group per K step): the codes minus zero points (or e2m1 values) are exact
 in the activation dtype and the group's scale multiplies the step's float32 product. BLOCK_K >
-GROUP_K: each value is scaled in float32, then rounded to the activation dtype for the dot."""
+GROUP_K: each value is scaled in float32, then rounded to the activation dtype for the dot.
+
+FAST (``gemm_args.FAST_DEQUANT``): 4-bit B tiles are [BK/2, BN] packed bytes (16-byte loads along
+K) split into low (even k) and high (odd k) nibbles, dotted with A's even and odd columns; values
+are built from their bits (no int -> float conversion): bf16/fp16 steps of one group take int4 as
+OFFSET + q in the activation dtype (OFFSET * rowsum(A) leaves the float32 product with the zero
+point) and e2m1 directly; the other steps build float32 values as 2^23 + q (int) or e2m1 bits."""
 import triton
 import triton.language as tl
 
@@ -15,6 +21,19 @@ def weight_k(offs_k, QUANT: tl.constexpr):
     if QUANT == "int4" or QUANT == "mxfp4":
         offs_k = offs_k // 2
     return offs_k
+
+
+@triton.jit
+def b_rows(BLOCK_K: tl.constexpr, QUANT: tl.constexpr, FAST: tl.constexpr):
+    """(offsets along W's last dimension, first logical k) of the rows of a K step's B tile: FAST
+    4-bit: BK/2 rows of packed bytes j (k = 2j); else BK rows of logical k (4-bit: byte k // 2)."""
+    if FAST and (QUANT == "int4" or QUANT == "mxfp4"):
+        offs = tl.arange(0, BLOCK_K // 2)
+        k = offs * 2
+    else:
+        k = tl.arange(0, BLOCK_K)
+        offs = weight_k(k, QUANT)
+    return offs, k
 
 
 @triton.jit
@@ -31,8 +50,8 @@ def zero_point_rows(rows, QUANT: tl.constexpr):
 @triton.jit
 def group_dequant(s_ptrs, zp_ptrs, zp_shift, k_group, stride_sk, stride_zpk, mask,
                   QUANT: tl.constexpr, HAS_ZP: tl.constexpr):
-    """(scale float32, zero point int32) of K groups ``k_group`` (a scalar: [1, BN]; [BK, 1]:
-    [BK, BN]) of the tile's columns (``s_ptrs``, ``zp_ptrs``, ``zp_shift`` [1, BN]): mxfp4 scales
+    """(scale float32, zero point int32) of K groups ``k_group`` (a scalar: [1, BN]; [R, 1]:
+    [R, BN]) of the tile's columns (``s_ptrs``, ``zp_ptrs``, ``zp_shift`` [1, BN]): mxfp4 scales
     are e8m0 bytes, 2^(s - 127); zero points default to 8 (int4) and 128 (int8)."""
     s = tl.load(s_ptrs + k_group * stride_sk, mask=mask, other=0)
     zp = s.to(tl.int32) * 0
@@ -86,4 +105,101 @@ def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, offs_k, K, stride_sk, 
                               stride_sk, stride_zpk, mask, QUANT, HAS_ZP)  # [BK, BN]
         b = (unpack_tile(q, offs_k, zp, QUANT) * s).to(a.dtype)  # [BK, BN]
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def code_values(q, QUANT: tl.constexpr, DTYPE: tl.constexpr):
+    """int32 codes -> DTYPE (float32, bfloat16, float16) values made from bits alone: int4/int8
+    OFFSET + q (OFFSET 2^23, 128, 1024: code_offset; int8 only in float32), mxfp4 the e2m1 value
+    of q's low nibble (sign bit 3; e = bits 2-1, m = bit 0: 2^(e-1) (1 + m/2), e = 0: m / 2)."""
+    if DTYPE == tl.float32:
+        mant, bias, sign, magic = 23, 127, 31, 0x4B000000
+    elif DTYPE == tl.bfloat16:
+        mant, bias, sign, magic = 7, 127, 15, 0x4300
+    else:
+        mant, bias, sign, magic = 10, 15, 15, 0x6400
+    if QUANT == "mxfp4":
+        n = q & 7
+        half = (bias - 1) << mant  # 0.5
+        bits = tl.where(n > 1, (n << (mant - 1)) + half, (0 - n) & half) | ((q & 8) << (sign - 3))
+    else:
+        bits = q | magic
+    if DTYPE == tl.float32:
+        v = bits.to(tl.float32, bitcast=True)
+    else:
+        v = bits.to(tl.int16).to(DTYPE, bitcast=True)
+    return v
+
+
+@triton.jit
+def code_offset(DTYPE: tl.constexpr):
+    """The OFFSET of ``code_values``' integer codes in DTYPE."""
+    if DTYPE == tl.float32:
+        off = 8388608.0
+    elif DTYPE == tl.bfloat16:
+        off = 128.0
+    else:
+        off = 1024.0
+    return off
+
+
+@triton.jit
+def _step_values(q, zp, s, QUANT: tl.constexpr):
+    """float32 (q - zp) * s (int) or e2m1(q) * s (mxfp4) of int32 codes; ``s`` 1.0 for none."""
+    v = code_values(q, QUANT, tl.float32)
+    if QUANT != "mxfp4":
+        v = v - (zp.to(tl.float32) + code_offset(tl.float32))
+    return v * s
+
+
+@triton.jit
+def _repeat_rows(x, ROWS: tl.constexpr):
+    """[NG, BN] -> [ROWS, BN]: row i of x repeated over rows [i * ROWS / NG, (i + 1) * ROWS / NG)."""
+    NG: tl.constexpr = x.shape[0]
+    BN: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.broadcast_to(x[:, None, :], (NG, ROWS // NG, BN)), (ROWS, BN))
+
+
+@triton.jit
+def fast_dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_zpk, mask_n,
+                     BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    """dequant_dot with FAST: ``q`` [BK/2, BN] packed bytes (4-bit) or [BK, BN] (int8)."""
+    PACKED: tl.constexpr = QUANT == "int4" or QUANT == "mxfp4"
+    BLOCK_M: tl.constexpr = a.shape[0]
+    q = q.to(tl.int32)
+    if PACKED:
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # [BM, BK/2] each
+        lo = q & 0xF  # [BK/2, BN]: k = 2j
+        hi = q >> 4  # k = 2j + 1
+    if BLOCK_K <= GROUP_K:
+        s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], k0 // GROUP_K, stride_sk,
+                              stride_zpk, mask_n[None, :], QUANT, HAS_ZP)  # [1, BN]
+        if PACKED and a.dtype != tl.float32:  # values in a.dtype straight from the bits
+            part = tl.dot(a_even, code_values(lo, QUANT, a.dtype), input_precision=PRECISION)
+            part = tl.dot(a_odd, code_values(hi, QUANT, a.dtype), part, input_precision=PRECISION)  # [BM, BN]
+            if QUANT == "int4":  # the OFFSET of each code: sum_k a_k (OFFSET + zp)
+                row_sum = tl.sum(a.to(tl.float32), axis=1)  # [BM]
+                part -= row_sum[:, None] * (zp.to(tl.float32) + code_offset(a.dtype))
+        elif PACKED:
+            part = tl.dot(a_even, _step_values(lo, zp, 1.0, QUANT), input_precision=PRECISION)
+            part = tl.dot(a_odd, _step_values(hi, zp, 1.0, QUANT), part, input_precision=PRECISION)
+        else:
+            part = tl.dot(a, _step_values(q, zp, 1.0, QUANT).to(a.dtype), input_precision=PRECISION)
+        acc += part * s
+    else:  # the step's NG groups loaded once, each repeated over its rows of q
+        NG: tl.constexpr = BLOCK_K // GROUP_K
+        ROWS: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K
+        g = k0 // GROUP_K + tl.arange(0, NG)  # [NG]
+        mask = mask_n[None, :] & (g * GROUP_K < K)[:, None]  # no group past K
+        s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], g[:, None], stride_sk,
+                              stride_zpk, mask, QUANT, HAS_ZP)  # [NG, BN]
+        s = _repeat_rows(s, ROWS)  # [ROWS, BN]
+        zp = _repeat_rows(zp, ROWS)
+        if PACKED:
+            acc = tl.dot(a_even, _step_values(lo, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(a_odd, _step_values(hi, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, _step_values(q, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
     return acc
