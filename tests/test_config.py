@@ -1,4 +1,5 @@
-"""Tile-config lookup: override > tuned table (nearest M) > heuristic; shared-memory fitting."""
+"""Tile-config lookup: override > tuned table (nearest M, up to twice its largest M) > heuristic;
+shared-memory fitting."""
 import json
 
 import pytest
@@ -25,6 +26,9 @@ def test_table_lookup_nearest_m_and_env_dir(tmp_path, monkeypatch):
     assert get_config(1, 3, 40, 64, 2, dev) == small
     assert get_config(900, 3, 40, 64, 2, dev) == large
     assert get_config(900, 3, 41, 64, 2, dev) != large  # no table for N=41: heuristic
+    assert get_config(2048, 3, 40, 64, 2, dev) == large  # up to twice the largest tuned M
+    heuristic = get_config(2049, 3, 41, 64, 2, dev)
+    assert get_config(2049, 3, 40, 64, 2, dev) == heuristic != large  # beyond: the heuristic, not the last row
     with tmoe.override_config(small):
         assert get_config(900, 3, 40, 64, 2, dev) == small
 

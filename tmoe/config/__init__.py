@@ -78,7 +78,7 @@ def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str |
     dirs = (Path(config_dir), SHIPPED_CONFIGS) if config_dir else (SHIPPED_CONFIGS,)
     table = load_table(config_file_name(e, n, device, quant, block_shape), dirs)
     block_k_cap = block_shape[1] if block_shape else None
-    if table:
+    if table and m <= 2 * max(table):  # a table tuned up to M_max serves M <= 2 M_max (beyond: the heuristic)
         cfg = table[min(table, key=lambda tm: abs(tm - m))]
         if block_k_cap is None or (cfg.up.block_k <= block_k_cap and cfg.down.block_k <= block_k_cap):
             return cfg
