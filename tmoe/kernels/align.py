@@ -16,6 +16,7 @@ from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, launch, planned
+from tmoe.kernels.pdl import pdl_args, pdl_wait
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
@@ -96,8 +97,9 @@ def _align_single_kernel(
     topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
     numel, num_experts, num_local_experts, max_padded, num_blocks,
     BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     totals = _chunk_counts(topk_ids_ptr, 0, numel, num_experts, CHUNK, E_PAD)
     starts, ends = _padded_runs(totals, BLOCK_SIZE)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
@@ -107,8 +109,10 @@ def _align_single_kernel(
 
 
 @triton.jit(do_not_specialize=['numel'])
-def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     counts = _chunk_counts(topk_ids_ptr, pid * CHUNK, numel, num_experts, CHUNK, E_PAD)
     tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
 
@@ -119,8 +123,9 @@ def _align_scan_kernel(
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
     num_chunks, numel, num_experts, num_local_experts, max_padded, num_blocks,
     BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, CT: tl.constexpr, HAS_MAP: tl.constexpr,
-    HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     offs_e = tl.arange(0, E_PAD)
     totals = tl.zeros((E_PAD,), dtype=tl.int32)
     for c0 in range(0, num_chunks, CT):
@@ -144,9 +149,10 @@ def _align_scan_kernel(
 @triton.jit(do_not_specialize=['numel'])
 def _align_scatter_kernel(
     topk_ids_ptr, sorted_ids_ptr, base_ptr, numel, num_experts,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     base = tl.load(base_ptr + pid * E_PAD + tl.arange(0, E_PAD))
     _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, pid * CHUNK, base, numel, num_experts, CHUNK, SUB, E_PAD)
 
@@ -223,6 +229,7 @@ def _align_into(
     e_pad = max(16, next_power_of_2(num_experts))
     meta = dict(E_PAD=e_pad, HAS_MAP=expert_map is not None, HAS_OFFSETS=expert_offsets is not None, TILE=64,
                 BLOCK_SIZE=block_size)
+    pdl = pdl_args()
     emap = expert_map if expert_map is not None else num_post_padded
     offsets = expert_offsets if expert_offsets is not None else num_post_padded
     sub = max(16, SUB_TILE_ELEMENTS // e_pad)
@@ -233,16 +240,16 @@ def _align_into(
             topk_ids_ptr=topk_ids, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
             num_post_padded_ptr=num_post_padded, expert_map_ptr=emap, offsets_ptr=offsets, numel=numel,
             num_experts=num_experts, num_local_experts=num_local_experts, max_padded=max_padded,
-            num_blocks=num_blocks, CHUNK=chunk, SUB=sub, **meta,
+            num_blocks=num_blocks, CHUNK=chunk, SUB=sub, **meta, **pdl,
         ), sorted_ids)
     num_chunks = cdiv(numel, chunk)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
-    launch(_align_count_kernel, (num_chunks,), topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad)
+    launch(_align_count_kernel, (num_chunks,), topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad, **pdl)
     launch(_align_scan_kernel, (1,),
         counts, sorted_ids, expert_ids, num_post_padded, emap, offsets, num_chunks, numel, num_experts,
-        num_local_experts, max_padded, num_blocks, CT=max(1, 4096 // e_pad), **meta,
+        num_local_experts, max_padded, num_blocks, CT=max(1, 4096 // e_pad), **meta, **pdl,
     )
     launch(_align_scatter_kernel, (num_chunks,),
-        topk_ids, sorted_ids, counts, numel, num_experts, CHUNK=chunk, SUB=sub, E_PAD=e_pad
+        topk_ids, sorted_ids, counts, numel, num_experts, CHUNK=chunk, SUB=sub, E_PAD=e_pad, **pdl
     )
     return sorted_ids

@@ -20,6 +20,7 @@ from tmoe.kernels.gemm_args import (
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, planned
+from tmoe.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
@@ -46,7 +47,7 @@ def _moe_down_reduce_kernel(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr, APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_ZP: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_ZP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # the tokens of one column block run side by side: experts they share stay in L2
@@ -68,6 +69,7 @@ def _moe_down_reduce_kernel(
         weights_t = tl.load(topk_weights_ptr + slots_t, mask=experts_t >= 0, other=0.0)
     else:
         weights_t = tl.where(experts_t >= 0, 1.0, 0.0)  # [TP]
+    pdl_wait(USE_PDL)  # PDL: the routing above is written two launches back, the intermediate by the up GEMM
     num_k = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, TOPK * num_k):
@@ -165,5 +167,5 @@ def moe_down_reduce(
         TOPK=topk, TOPK_P2=max(2, next_power_of_2(topk)), BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         APPLY_WEIGHTS=topk_weights is not None, HAS_MAP=expert_map is not None, HAS_BIAS=bias is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages, **sargs,
+        num_warps=config.num_warps, num_stages=config.num_stages, **sargs, **pdl_args(),
     ), out)

@@ -29,6 +29,7 @@ from tmoe.kernels.gemm_args import (
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, launch, planned
+from tmoe.kernels.pdl import pdl_args, pdl_wait
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -64,14 +65,20 @@ def _moe_gemm_kernel(
     QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr,
+    W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_bm = tl.arange(0, BLOCK_M)
+    # PDL: the up GEMM waits first (the kernel before it wrote its routing); the down GEMM reads
+    # its routing, written two launches back, before it waits for the up GEMM (pdl.py)
+    if GATED:
+        pdl_wait(USE_PDL)
     if ROUTE == "batched":
         expert = (pid_m // blocks_per_expert).to(tl.int64)
         first_row = (pid_m % blocks_per_expert) * BLOCK_M
         num_rows = tl.load(expert_num_tokens_ptr + expert)
+        if not GATED:
+            pdl_wait(USE_PDL)
         if first_row >= num_rows:
             return
         rows = (first_row + offs_bm).to(tl.int64)  # [BM]
@@ -86,6 +93,17 @@ def _moe_gemm_kernel(
             mask_m = offs_bm == 0
             expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, num_local_experts,
                                   HAS_MAP)
+            if not GATED:
+                pdl_wait(USE_PDL)
+        elif USE_PDL and not GATED:  # the sorted route's loads, all before the wait
+            in_use = pid_m * BLOCK_M < tl.load(num_post_padded_ptr)
+            slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + offs_bm, mask=in_use,
+                            other=num_slots).to(tl.int64)  # [BM]
+            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+            pdl_wait(USE_PDL)
+            if not in_use:
+                return
+            mask_m = slots < num_slots
         else:
             if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
                 return
@@ -282,7 +300,7 @@ def invoke_moe_gemm(
         act_alpha=act_alpha, act_limit=act_limit, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **route, **scale_args(scales, a, w, config),
+        **route, **scale_args(scales, a, w, config), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned
         launch(_moe_gemm_kernel, grid, **{**kwargs, "w_ptr": w_desc})
