@@ -86,6 +86,7 @@ SCRIPT = textwrap.dedent("""
            for name, ptx, launch_pdl in compiled]
     print(" ".join(sorted({name for name, waits, launch_pdl in pdl if waits and launch_pdl})))
     print(" ".join(sorted({name for name, waits, launch_pdl in pdl if waits != launch_pdl})) or "-")
+    print(" ".join(sorted({name for name, ptx, _ in compiled if "prefetch.global.L2" in ptx})))
 """)
 
 
@@ -96,9 +97,10 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    names, counts, pdl_names, mismatched = proc.stdout.strip().splitlines()[-4:]
+    names, counts, pdl_names, mismatched, prefetching = proc.stdout.strip().splitlines()[-5:]
     assert names.split() == sorted(KERNELS)
     tma_loads, wgmma = map(int, counts.split())
     assert tma_loads > 0 and wgmma > 0, "the TMA and wgmma paths must be compiled too"
     assert pdl_names.split() == sorted(PDL_KERNELS), "with override_pdl(True) these launch with PDL and wait"
     assert mismatched == "-", f"launched with PDL but no griddepcontrol (or the reverse): {mismatched}"
+    assert prefetching.split() == ["_moe_down_reduce_kernel", "_moe_gemm_kernel"], "the down GEMMs prefetch weights"

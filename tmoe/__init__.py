@@ -50,7 +50,8 @@ __all__ = [
     "ExpertParallel", "FusedMoE", "FusedMoEActivationFormat", "FusedMoEModularKernel", "FusedMoEPermuteExpertsUnpermute",
     "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "GemmConfig", "MoEConfig", "NoEPPrepareAndFinalize",
     "PrepareResult", "TritonExperts", "fused_experts", "get_config", "moe_align_block_size", "moe_reduce",
-    "mxfp4_from_blocks", "override_config", "override_pdl", "override_route", "per_token_group_quant_fp8", "per_token_quant_fp8",
+    "mxfp4_from_blocks", "override_config", "override_pdl", "override_route", "per_token_group_quant_fp8",
+    "per_token_quant_fp8",
     "quantize_weight_int4", "quantize_weight_int8", "quantize_weight_mxfp4", "quantize_weight_per_block_fp8", "quantize_weight_per_channel_fp8", "quantize_weight_per_tensor_fp8",
     "static_quant_fp8", "topk_route",
 ]

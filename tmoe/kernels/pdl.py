@@ -1,13 +1,16 @@
-"""Programmatic dependent launch (PDL): the switch and the launch arguments of the decode-path kernels.
+"""Programmatic dependent launch (PDL): the switch, the launch arguments and the jit helpers of
+the decode-path kernels (align, expert GEMMs, down+reduce, reduce, fp8 activation quant).
 
 A kernel launched with ``launch_pdl=True`` may start while the kernel before it in the stream
-drains (Hopper and later). Each such kernel (``USE_PDL``) calls ``tl.extra.cuda.gdc_wait()``
-before it reads anything the previous kernel writes and before its first store (the previous
-kernel may still read the memory), then ``gdc_launch_dependents()`` so the next kernel can
-start. Since every kernel triggers its dependents only after its own wait, data written two or
-more launches back (the align outputs, as the down GEMM sees them; the router's ``topk_ids``,
-as the down GEMMs see them) is complete when a kernel starts: those loads may come before the
-wait. Weights are never written inside the layer.
+drains (Hopper and later). Each such kernel (``USE_PDL``) calls ``pdl_wait`` (``gdc_wait``, then
+``gdc_launch_dependents`` so the next kernel can start) before it reads anything the previous
+kernel writes and before its first store (the previous kernel may still read that memory).
+Since every kernel lets its dependents start only after its own wait, data written two or more
+launches back is complete when a kernel starts. The down GEMMs rely on it: they read their
+routing (the align outputs, ``topk_ids``: written before the up GEMM ran) and prefetch their
+first weight tiles into L2 (``prefetch_expert_l2``, a hint) before they wait for the up GEMM.
+So with PDL on, a down GEMM must follow the up GEMM (or another kernel) that follows whatever
+wrote its routing, as in every tmoe layer.
 
 Off by default (``TMOE_PDL=1`` in the environment at import turns it on); ``override_pdl``
 switches it for a block. Never on under the interpreter or below compute capability 9.
@@ -75,3 +78,17 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_expert_l2(w_ptr, expert, offs_n, N, K, stride_we, stride_wn, stride_wk, BLOCK_K: tl.constexpr):
+    """Hint L2 to fetch the first two BLOCK_K tiles along K of rows ``offs_n`` [BN] of ``expert``'s
+    weights in w (E, N, K), the tiles a GEMM streams first, while it waits (nothing when expert < 0).
+    One ``prefetch.global.L2`` per 128-byte line (when ``stride_wk`` is 1); no result."""
+    if expert >= 0:
+        rows = w_ptr + expert.to(tl.int64) * stride_we + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn  # [BN]
+        LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+        STEP: tl.constexpr = LINE if LINE < BLOCK_K else BLOCK_K
+        offs_k = tl.minimum(tl.arange(0, 2 * BLOCK_K // STEP) * STEP, K - 1).to(tl.int64)  # [2BK / STEP]
+        ptrs = rows[None, :] + offs_k[:, None] * stride_wk  # [2BK / STEP, BN]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)

@@ -232,6 +232,7 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return q
     block_k = min(1024, next_power_of_2(k))
     launch(_static_quant_fp8_kernel, (rows, cdiv(k, block_k)),
-        x2, q, scale, K=k, stride_xm=x2.stride(0), stride_qm=k, FP8_MAX=FP8_MAX, BLOCK_K=block_k, num_warps=4, **pdl_args(),
+        x2, q, scale, K=k, stride_xm=x2.stride(0), stride_qm=k, FP8_MAX=FP8_MAX, BLOCK_K=block_k, num_warps=4,
+        **pdl_args(),
     )
     return q
