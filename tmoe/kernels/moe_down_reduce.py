@@ -20,7 +20,7 @@ from tmoe.kernels.gemm_args import (
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, planned
-from tmoe.kernels.pdl import pdl_args, pdl_wait, prefetch_expert_l2
+from tmoe.kernels.pdl import pdl_args, pdl_wait, prefetch_expert_l2, prefetch_weights
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def moe_down_reduce(
     sargs.pop("stride_ase")
     grid = (m * cdiv(n_out, config.block_n),)
     pdl = pdl_args()  # prefetch weight tiles while waiting: pointer loads of unpacked weights
-    prefetch = pdl["USE_PDL"] and sargs["QUANT"] in ("none", "scaled", "block")
+    prefetch = prefetch_weights(pdl) and sargs["QUANT"] in ("none", "scaled", "block")
     return Launch(_moe_down_reduce_kernel, grid, dict(
         a_ptr=a, w_ptr=w, out_ptr=out, topk_weights_ptr=topk_weights if topk_weights is not None else w, topk_ids_ptr=topk_ids,
         expert_map_ptr=expert_map if expert_map is not None else topk_ids,

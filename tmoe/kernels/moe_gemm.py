@@ -29,7 +29,7 @@ from tmoe.kernels.gemm_args import (
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, launch, planned
-from tmoe.kernels.pdl import pdl_args, pdl_wait, prefetch_expert_l2
+from tmoe.kernels.pdl import pdl_args, pdl_wait, prefetch_expert_l2, prefetch_weights
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -295,7 +295,7 @@ def invoke_moe_gemm(
     grid = (num_pid_m * cdiv(n, config.block_n),)
     pdl, sargs = pdl_args(), scale_args(scales, a, w, config)
     # the down GEMM prefetches its first weight tiles while it waits (pointer loads of unpacked weights)
-    prefetch = pdl["USE_PDL"] and not gated and w_desc is None and sargs["QUANT"] in ("none", "scaled", "block")
+    prefetch = prefetch_weights(pdl) and not gated and w_desc is None and sargs["QUANT"] in ("none", "scaled", "block")
     kwargs = dict(
         a_ptr=a, w_ptr=w, out_ptr=out, W_DESC=w_desc is not None,
         UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, mul),

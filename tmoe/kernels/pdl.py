@@ -28,6 +28,9 @@ import triton.language as tl
 from tmoe.kernels.interpreter import INTERPRETED
 
 PDL_DEFAULT = os.environ.get("TMOE_PDL", "0") == "1"
+# with PDL, the down GEMMs prefetch their first weight tiles into L2 while they wait (not yet
+# measured apart; launch plans made before a change keep the old value: clear_launch_caches)
+PREFETCH_WEIGHTS = True
 
 _OVERRIDE: list[bool] = []
 
@@ -68,6 +71,11 @@ def pdl_args() -> dict[str, bool]:
     if not _capable(driver.active.get_current_device()):
         return {"USE_PDL": False}
     return {"USE_PDL": True, "launch_pdl": True}
+
+
+def prefetch_weights(pdl: dict[str, bool]) -> bool:
+    """Whether a down GEMM launched with ``pdl`` (``pdl_args()``) prefetches its first weight tiles."""
+    return pdl["USE_PDL"] and PREFETCH_WEIGHTS
 
 
 @triton.jit
