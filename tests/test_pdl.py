@@ -1,15 +1,15 @@
 """The programmatic-dependent-launch switch (``tmoe.override_pdl``): the layer's results do not
-change with it (under the interpreter the gdc calls must never run; on a Hopper GPU the PDL
-kernels run), and launch plans are kept per switch state. That the PDL variants compile for
+change with it, the trigger late or early (under the interpreter the gdc calls must never run; on
+a Hopper GPU the PDL kernels run), and launch plans are kept per switch state. That the PDL variants compile for
 sm_90 is checked in test_sm90_compile.py."""
 import pytest
 import torch
 
 import tmoe
 from tmoe.config import config_state
-from tmoe.kernels import launch
+from tmoe.kernels import launch, pdl
 from tmoe.kernels.interpreter import INTERPRETED
-from tmoe.kernels.pdl import pdl_args, pdl_requested
+from tmoe.kernels.pdl import EARLY, LATE, OFF, pdl_args, pdl_requested
 from tmoe.reference import dequantize_fp8_reference, moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem
@@ -37,9 +37,18 @@ def _layer(p, quant: str):
             moe_reference(p.x, w1d, w2d, p.topk_weights, p.topk_ids))
 
 
+@pytest.fixture(params=[False, True], ids=["late", "early"])
+def early_trigger(request, monkeypatch):
+    """pdl.EARLY_TRIGGER set (launch plans cleared before and after: they keep the value they were made with)."""
+    monkeypatch.setattr(pdl, "EARLY_TRIGGER", request.param)
+    launch.clear_launch_caches()
+    yield request.param
+    launch.clear_launch_caches()
+
+
 @pytest.mark.parametrize("quant", ["none", "token", "block"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_switch_keeps_results(shape, quant, route):
+def test_switch_keeps_results(shape, quant, route, early_trigger):
     p = make_problem(shape, torch.bfloat16, "uniform", seed=shape.m, device=DEVICE)
     call, ref = _layer(p, quant)
     off = call()
@@ -61,12 +70,13 @@ def test_switch_is_config_state():
             pass
 
 
-def test_pdl_only_on_a_hopper_gpu():
+def test_pdl_only_on_a_hopper_gpu(early_trigger):
     with tmoe.override_pdl(True):
         args = pdl_args()
     capable = not INTERPRETED and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-    assert args == ({"USE_PDL": True, "launch_pdl": True} if capable else {"USE_PDL": False})
-    assert pdl_args() == {"USE_PDL": False}
+    trigger = (EARLY if early_trigger else LATE).value
+    assert args == ({"USE_PDL": trigger, "launch_pdl": True} if capable else {"USE_PDL": OFF.value})
+    assert pdl_args() == {"USE_PDL": OFF.value}
 
 
 def test_plans_are_kept_per_switch_state():

@@ -16,7 +16,7 @@ from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, launch, planned
-from tmoe.kernels.pdl import pdl_args, pdl_wait
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
@@ -101,6 +101,7 @@ def _align_single_kernel(
 ):
     pdl_wait(USE_PDL)
     totals = _chunk_counts(topk_ids_ptr, 0, numel, num_experts, CHUNK, E_PAD)
+    pdl_launch_dependents(USE_PDL)  # one program: the next kernel's programs take no slot it needs
     starts, ends = _padded_runs(totals, BLOCK_SIZE)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
                   offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
@@ -114,6 +115,7 @@ def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.
     pid = tl.program_id(0).to(tl.int64)
     pdl_wait(USE_PDL)
     counts = _chunk_counts(topk_ids_ptr, pid * CHUNK, numel, num_experts, CHUNK, E_PAD)
+    pdl_launch_dependents(USE_PDL)
     tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
 
 
@@ -141,6 +143,7 @@ def _align_scan_kernel(
         counts = tl.load(ptrs, mask=mask, other=0)  # [CT, E_PAD]
         tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + run[None, :], mask=mask)
         run += tl.sum(counts, axis=0)
+    pdl_launch_dependents(USE_PDL)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
                   offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
                   HAS_MAP, HAS_OFFSETS, TILE)
@@ -155,6 +158,7 @@ def _align_scatter_kernel(
     pdl_wait(USE_PDL)
     base = tl.load(base_ptr + pid * E_PAD + tl.arange(0, E_PAD))
     _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, pid * CHUNK, base, numel, num_experts, CHUNK, SUB, E_PAD)
+    pdl_launch_dependents(USE_PDL)  # at the end: the chunk's loads and stores interleave
 
 
 def align_output_sizes(numel: int, block_size: int, num_experts: int) -> tuple[int, int]:

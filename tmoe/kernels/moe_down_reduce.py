@@ -20,7 +20,7 @@ from tmoe.kernels.gemm_args import (
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, planned
-from tmoe.kernels.pdl import pdl_args, pdl_wait, prefetch_expert_l2, prefetch_weights
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait, prefetch_expert_l2, prefetch_weights
 
 
 @triton.jit
@@ -71,7 +71,8 @@ def _moe_down_reduce_kernel(
     else:
         weights_t = tl.where(experts_t >= 0, 1.0, 0.0)  # [TP]
     # PDL: the routing above is written two launches back, the intermediate by the up GEMM: read
-    # the routing and (PDL_PREFETCH) prefetch each slot's first weight tiles into L2, then wait
+    # the routing and (PDL_PREFETCH) prefetch each slot's first weight tiles into L2, then wait;
+    # the next kernel may start after the slot loop
     if PDL_PREFETCH:
         for j in tl.static_range(TOPK):
             expert_j, _ = _slot_of(experts_t, weights_t, offs_t, j)
@@ -116,6 +117,7 @@ def _moe_down_reduce_kernel(
                 b_s = tl.load(w_scale_ptr + safe_expert * stride_wse + offs_n * stride_wsn,
                               mask=mask_n & computed, other=0.0)  # [BN]
             acc += part * (scale * a_s) * b_s[None, :]
+    pdl_launch_dependents(USE_PDL)
     if HAS_BIAS:
         for t in tl.static_range(TOPK):
             expert, scale = _slot_of(experts_t, weights_t, offs_t, t)

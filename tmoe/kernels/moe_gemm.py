@@ -29,7 +29,7 @@ from tmoe.kernels.gemm_args import (
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, launch, planned
-from tmoe.kernels.pdl import pdl_args, pdl_wait, prefetch_expert_l2, prefetch_weights
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait, prefetch_expert_l2, prefetch_weights
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -74,7 +74,7 @@ def _moe_gemm_kernel(
     mask_n = offs_n < N
     # PDL: the up GEMM waits first (the kernel before it wrote its routing); the down GEMM reads
     # its routing, written two launches back, and (PDL_PREFETCH) prefetches its first weight
-    # tiles into L2 before it waits for the up GEMM (pdl.py)
+    # tiles into L2 before it waits for the up GEMM; both let the next kernel start after the K loop (pdl.py)
     if GATED:
         pdl_wait(USE_PDL)
     if ROUTE == "batched":
@@ -164,6 +164,7 @@ def _moe_gemm_kernel(
         )  # [BM, BN] float32, [BM, 2BN] when MUL
         if MUL:
             acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    pdl_launch_dependents(USE_PDL)
     if HAS_BIAS:  # [BN]; up biases at + N (INTERLEAVED: gate biases at 2n, up biases at 2n + 1)
         bias_ptrs = bias_ptr + expert * stride_be + offs_n * (1 + INTERLEAVED)
         up_bias_offset = 1 if INTERLEAVED else N

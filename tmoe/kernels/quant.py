@@ -19,7 +19,7 @@ from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contigu
 from tmoe.kernels.common import abs_no_nan, cdiv, fp8_scale, next_power_of_2, to_fp8
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import launch
-from tmoe.kernels.pdl import pdl_args, pdl_wait
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -47,6 +47,7 @@ def _per_token_group_quant_fp8_kernel(
     mask = mask_g[:, None] & (offs_s < group_size)[None, :]  # [BG, BS]
     offs_k = offs_g[:, None] * group_size + offs_s[None, :]  # [BG, BS]
     x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
     scale = fp8_scale(tl.max(abs_no_nan(x), axis=1), eps, FP8_MAX, USE_UE8M0)  # [BG]
     q = to_fp8(x, tl.broadcast_to(scale[:, None], (BLOCK_G, BLOCK_S)), FP8_MAX)
     tl.store(q_ptr + pid_m * stride_qm + offs_k, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -70,6 +71,7 @@ def _per_token_quant_fp8_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_no_nan(x))
+    pdl_launch_dependents(USE_PDL)  # the second pass rereads the row (L2/L1 hits)
     scale = fp8_scale(tl.max(acc, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
     tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
     scale_k = tl.broadcast_to(scale, (BLOCK_K,))
@@ -93,6 +95,7 @@ def _static_quant_fp8_kernel(
     mask_k = offs_k < K
     x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     scale = tl.broadcast_to(tl.load(scale_ptr), (BLOCK_K,))
+    pdl_launch_dependents(USE_PDL)
     tl.store(q_ptr + pid_m * stride_qm + offs_k, to_fp8(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
 
 

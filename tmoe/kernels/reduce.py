@@ -9,7 +9,7 @@ from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_t
 from tmoe.kernels.common import cdiv, check_num_local_experts, local_expert, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, planned
-from tmoe.kernels.pdl import pdl_args, pdl_wait
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -45,6 +45,7 @@ def _moe_reduce_kernel(
         if APPLY_WEIGHTS:
             y *= tl.load(weights_ptr + pid_m * stride_wm + t, mask=computed, other=0.0)
         acc += y
+    pdl_launch_dependents(USE_PDL)
     tl.store(out_ptr + pid_m * stride_om + offs_k * stride_ok, acc.to(out_ptr.dtype.element_ty), mask=mask_k)
 
 
