@@ -33,8 +33,8 @@ from tmoe.kernels.interpreter import INTERPRETED
 
 PDL_DEFAULT = os.environ.get("TMOE_PDL", "0") == "1"
 # with PDL, the down GEMMs prefetch their first weight tiles into L2 while they wait (with the
-# early trigger on the H200: within 1.5% of no prefetch; launch plans made before a change keep
-# the old value: clear_launch_caches)
+# early trigger on the H200: within 1.5% of no prefetch; launch plans and call replays made
+# before a change keep the old value: clear_launch_caches)
 PREFETCH_WEIGHTS = True
 # trigger the next kernel right after the wait instead of after the main loop: the first PDL
 # version, up to 54% slower than no PDL on the H200 where grids run several waves (Mixtral fp8
