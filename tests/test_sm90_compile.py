@@ -1,6 +1,7 @@
 """Every tmoe kernel compiles for Hopper (sm_90) with the installed Triton, without a GPU: the
 interpreter runs the kernels' Python, this checks that the compiler accepts them (the TMA and
-wgmma paths included), so a Triton release that rejects our code fails on CPU CI."""
+wgmma paths, and the programmatic-dependent-launch variants, included), so a Triton release that
+rejects our code fails on CPU CI."""
 import os
 import pathlib
 import subprocess
@@ -17,8 +18,13 @@ KERNELS = (
     "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_kernel _zero_kernel"
 ).split()
 
+# launched with launch_pdl and compiled with gdc_wait / gdc_launch_dependents under override_pdl(True)
+PDL_KERNELS = sorted(set(KERNELS) - {"_batched_dispatch_kernel", "_topk_route_kernel", "_zero_kernel"})
+
 # A stand-in CUDA driver reports an sm_90 device; launches only compile (warmup), so no kernel runs.
 SCRIPT = textwrap.dedent("""
+    import re
+
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.driver import CudaDriver
@@ -40,7 +46,7 @@ SCRIPT = textwrap.dedent("""
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, kernel.asm["ptx"]))
+        compiled.append((self.fn.__name__, kernel.asm["ptx"], kernel.metadata.launch_pdl))
         return kernel
 
     JITFunction.run = compile_only
@@ -81,8 +87,48 @@ SCRIPT = textwrap.dedent("""
     tmoe.topk_route(torch.randn(9, 16), 2, scoring="sigmoid", num_expert_group=4, topk_group=2,
                     e_score_correction_bias=torch.zeros(16))
     tmoe.moe_align_block_size(torch.randint(0, 8, (3000, 2), dtype=torch.int32), 16, 8)
-    print(" ".join(sorted({name for name, _ in compiled})))
-    print(sum("cp.async.bulk.tensor" in ptx for _, ptx in compiled), sum("wgmma" in ptx for _, ptx in compiled))
+    print(" ".join(sorted({name for name, _, _ in compiled})))
+    print(sum("cp.async.bulk.tensor" in ptx for _, ptx, _ in compiled), sum("wgmma" in ptx for _, ptx, _ in compiled))
+    # the PDL variants of the decode-path kernels (programmatic dependent launch)
+    compiled.clear()
+    with tmoe.override_pdl(True):
+        for route in ("sorted", "direct"):
+            with tmoe.override_route(route):
+                tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+                tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
+        batched(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+        tmoe.per_token_quant_fp8(p.x)
+        tmoe.static_quant_fp8(p.x, torch.ones(1))
+        tmoe.moe_align_block_size(torch.randint(0, 8, (3000, 2), dtype=torch.int32), 16, 8)
+    pdl = [(name, "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, launch_pdl)
+           for name, ptx, launch_pdl in compiled]
+    print(" ".join(sorted({name for name, waits, launch_pdl in pdl if waits and launch_pdl})))
+    print(" ".join(sorted({name for name, waits, launch_pdl in pdl if waits != launch_pdl})) or "-")
+    print(" ".join(sorted({name for name, ptx, _ in compiled if "prefetch.global.L2" in ptx})))
+
+    MMA = "mma.sync|wgmma.mma_async"
+
+    def first(ptx, pattern):
+        return min((m.start() for m in re.finditer(pattern, ptx)), default=len(ptx))
+
+    def late(ptx):  # the trigger after the wait and after the last MMA (the K loop)
+        trigger = first(ptx, "griddepcontrol.launch_dependents")
+        mma = [m.start() for m in re.finditer(MMA, ptx)]
+        return first(ptx, "griddepcontrol.wait") < trigger < len(ptx) and all(i < trigger for i in mma)
+
+    print(" ".join(sorted({name for name, ptx, launch_pdl in compiled if launch_pdl and not late(ptx)})) or "-")
+    # pdl.EARLY_TRIGGER: the GEMMs trigger before their first MMA
+    from tmoe.kernels import launch, pdl as pdl_module
+
+    compiled.clear()
+    pdl_module.EARLY_TRIGGER = True
+    launch.clear_launch_caches()
+    with tmoe.override_pdl(True):
+        for route in ("sorted", "direct"):
+            with tmoe.override_route(route):
+                tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    print(" ".join(sorted({name for name, ptx, _ in compiled
+                           if first(ptx, "griddepcontrol.launch_dependents") < first(ptx, MMA) < len(ptx)})))
 """)
 
 
@@ -93,7 +139,12 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    names, counts = proc.stdout.strip().splitlines()[-2:]
+    names, counts, pdl_names, mismatched, prefetching, not_late, early = proc.stdout.strip().splitlines()[-7:]
     assert names.split() == sorted(KERNELS)
     tma_loads, wgmma = map(int, counts.split())
     assert tma_loads > 0 and wgmma > 0, "the TMA and wgmma paths must be compiled too"
+    assert pdl_names.split() == sorted(PDL_KERNELS), "with override_pdl(True) these launch with PDL and wait"
+    assert mismatched == "-", f"launched with PDL but no griddepcontrol (or the reverse): {mismatched}"
+    assert prefetching.split() == ["_moe_down_reduce_kernel", "_moe_gemm_kernel"], "the down GEMMs prefetch weights"
+    assert not_late == "-", f"these trigger their dependents before their wait or inside the K loop: {not_late}"
+    assert early.split() == ["_moe_down_reduce_kernel", "_moe_gemm_kernel"], "EARLY_TRIGGER: the GEMMs trigger first"

@@ -15,7 +15,7 @@ if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tmoe import ops as _ops  # noqa: E402,F401  (registers torch.ops.tmoe.*)
-from tmoe.config import GemmConfig, MoEConfig, get_config, override_config, override_route  # noqa: E402
+from tmoe.config import GemmConfig, MoEConfig, get_config, override_config, override_pdl, override_route  # noqa: E402
 from tmoe.fused import fused_experts  # noqa: E402
 from tmoe.layer import FusedMoE, FusedMoEModularKernel  # noqa: E402
 from tmoe.modular import (  # noqa: E402
@@ -50,7 +50,8 @@ __all__ = [
     "ExpertParallel", "FusedMoE", "FusedMoEActivationFormat", "FusedMoEModularKernel", "FusedMoEPermuteExpertsUnpermute",
     "FusedMoEPrepareAndFinalize", "FusedMoEQuantConfig", "GemmConfig", "MoEConfig", "NoEPPrepareAndFinalize",
     "PrepareResult", "TritonExperts", "fused_experts", "get_config", "moe_align_block_size", "moe_reduce",
-    "mxfp4_from_blocks", "override_config", "override_route", "per_token_group_quant_fp8", "per_token_quant_fp8",
+    "mxfp4_from_blocks", "override_config", "override_pdl", "override_route", "per_token_group_quant_fp8",
+    "per_token_quant_fp8",
     "quantize_weight_int4", "quantize_weight_int8", "quantize_weight_mxfp4", "quantize_weight_per_block_fp8", "quantize_weight_per_channel_fp8", "quantize_weight_per_tensor_fp8",
     "static_quant_fp8", "topk_route",
 ]

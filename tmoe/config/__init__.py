@@ -16,6 +16,7 @@ import torch
 from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
 from tmoe.kernels.common import cdiv
 from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
+from tmoe.kernels.pdl import override_pdl, pdl_requested
 
 
 def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | None,
@@ -110,9 +111,9 @@ def override_route(route: str) -> Iterator[None]:
 
 
 def config_state() -> tuple:
-    """Everything beside the static sizes that a config or route lookup reads: the active
-    overrides and ``TMOE_CONFIG_DIR`` (callers that cache per call signature key on it too)."""
-    return tuple(_OVERRIDE), tuple(_ROUTE_OVERRIDE), os.environ.get("TMOE_CONFIG_DIR")
+    """Everything beside the static sizes that a config, route or launch lookup reads: the active
+    overrides, ``TMOE_CONFIG_DIR`` and the PDL switch (callers that cache per call signature key on it too)."""
+    return tuple(_OVERRIDE), tuple(_ROUTE_OVERRIDE), os.environ.get("TMOE_CONFIG_DIR"), pdl_requested()
 
 
 def use_direct_route(m: int, topk: int) -> bool:
@@ -158,5 +159,5 @@ def get_config(
 
 
 __all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",
-           "override_config",
+           "override_config", "override_pdl",
            "override_route", "read_table", "save_table", "use_direct_route"]

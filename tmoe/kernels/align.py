@@ -16,6 +16,7 @@ from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, launch, planned
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
@@ -96,9 +97,11 @@ def _align_single_kernel(
     topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
     numel, num_experts, num_local_experts, max_padded, num_blocks,
     BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
-    HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     totals = _chunk_counts(topk_ids_ptr, 0, numel, num_experts, CHUNK, E_PAD)
+    pdl_launch_dependents(USE_PDL)  # one program: the next kernel's programs take no slot it needs
     starts, ends = _padded_runs(totals, BLOCK_SIZE)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
                   offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
@@ -107,9 +110,12 @@ def _align_single_kernel(
 
 
 @triton.jit(do_not_specialize=['numel'])
-def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     counts = _chunk_counts(topk_ids_ptr, pid * CHUNK, numel, num_experts, CHUNK, E_PAD)
+    pdl_launch_dependents(USE_PDL)
     tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
 
 
@@ -119,8 +125,9 @@ def _align_scan_kernel(
     sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
     num_chunks, numel, num_experts, num_local_experts, max_padded, num_blocks,
     BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, CT: tl.constexpr, HAS_MAP: tl.constexpr,
-    HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     offs_e = tl.arange(0, E_PAD)
     totals = tl.zeros((E_PAD,), dtype=tl.int32)
     for c0 in range(0, num_chunks, CT):
@@ -136,6 +143,7 @@ def _align_scan_kernel(
         counts = tl.load(ptrs, mask=mask, other=0)  # [CT, E_PAD]
         tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + run[None, :], mask=mask)
         run += tl.sum(counts, axis=0)
+    pdl_launch_dependents(USE_PDL)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
                   offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
                   HAS_MAP, HAS_OFFSETS, TILE)
@@ -144,11 +152,13 @@ def _align_scan_kernel(
 @triton.jit(do_not_specialize=['numel'])
 def _align_scatter_kernel(
     topk_ids_ptr, sorted_ids_ptr, base_ptr, numel, num_experts,
-    CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
+    CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     base = tl.load(base_ptr + pid * E_PAD + tl.arange(0, E_PAD))
     _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, pid * CHUNK, base, numel, num_experts, CHUNK, SUB, E_PAD)
+    pdl_launch_dependents(USE_PDL)  # at the end: the chunk's loads and stores interleave
 
 
 def align_output_sizes(numel: int, block_size: int, num_experts: int) -> tuple[int, int]:
@@ -223,6 +233,7 @@ def _align_into(
     e_pad = max(16, next_power_of_2(num_experts))
     meta = dict(E_PAD=e_pad, HAS_MAP=expert_map is not None, HAS_OFFSETS=expert_offsets is not None, TILE=64,
                 BLOCK_SIZE=block_size)
+    pdl = pdl_args()
     emap = expert_map if expert_map is not None else num_post_padded
     offsets = expert_offsets if expert_offsets is not None else num_post_padded
     sub = max(16, SUB_TILE_ELEMENTS // e_pad)
@@ -233,16 +244,16 @@ def _align_into(
             topk_ids_ptr=topk_ids, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
             num_post_padded_ptr=num_post_padded, expert_map_ptr=emap, offsets_ptr=offsets, numel=numel,
             num_experts=num_experts, num_local_experts=num_local_experts, max_padded=max_padded,
-            num_blocks=num_blocks, CHUNK=chunk, SUB=sub, **meta,
+            num_blocks=num_blocks, CHUNK=chunk, SUB=sub, **meta, **pdl,
         ), sorted_ids)
     num_chunks = cdiv(numel, chunk)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
-    launch(_align_count_kernel, (num_chunks,), topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad)
+    launch(_align_count_kernel, (num_chunks,), topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad, **pdl)
     launch(_align_scan_kernel, (1,),
         counts, sorted_ids, expert_ids, num_post_padded, emap, offsets, num_chunks, numel, num_experts,
-        num_local_experts, max_padded, num_blocks, CT=max(1, 4096 // e_pad), **meta,
+        num_local_experts, max_padded, num_blocks, CT=max(1, 4096 // e_pad), **meta, **pdl,
     )
     launch(_align_scatter_kernel, (num_chunks,),
-        topk_ids, sorted_ids, counts, numel, num_experts, CHUNK=chunk, SUB=sub, E_PAD=e_pad
+        topk_ids, sorted_ids, counts, numel, num_experts, CHUNK=chunk, SUB=sub, E_PAD=e_pad, **pdl
     )
     return sorted_ids

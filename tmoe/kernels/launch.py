@@ -31,6 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.interpreter import INTERPRETED
+from tmoe.kernels.pdl import pdl_requested
 
 # compiled kernels are called directly only where they run: a CUDA device, not the interpreter
 DIRECT_CALLS = not INTERPRETED and torch.cuda.is_available()
@@ -306,7 +307,7 @@ def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
     """Decorate a launcher body that checks its arguments and returns the ``Launch`` to run (or a
     plain result when there is nothing to launch). The Launch is kept per static signature of the
     arguments (each tensor's shape, strides, dtype, device and 16-byte alignment; dataclass
-    arguments field by field; other values as they are), with its tensors as slots into the
+    arguments field by field; other values as they are) and the PDL switch, with its tensors as slots into the
     arguments; a later call of the signature skips the body and launches with its own tensors.
     A body whose launch reads a tensor it made itself (not an argument) runs every call."""
     plans: dict[tuple, _Plan | None] = {}
@@ -321,7 +322,7 @@ def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
             plan = cursor.next_plan(launcher)
             if plan is not None:
                 return plan(leaves)
-        key = (tuple(kwargs), *[_static(v) for v in leaves])
+        key = (tuple(kwargs), pdl_requested(), *[_static(v) for v in leaves])  # bodies read the PDL switch
         plan = plans.get(key)
         if plan is None:
             launch_ = body(*args, **kwargs)

@@ -19,6 +19,7 @@ from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contigu
 from tmoe.kernels.common import abs_no_nan, cdiv, fp8_scale, next_power_of_2, to_fp8
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import launch
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
@@ -36,14 +37,17 @@ def _per_token_group_quant_fp8_kernel(
     num_groups, group_size, eps,
     stride_xm, stride_qm, stride_sm, stride_sg,
     FP8_MAX: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BG]
     offs_s = tl.arange(0, BLOCK_S)  # [BS]
     mask_g = offs_g < num_groups
     mask = mask_g[:, None] & (offs_s < group_size)[None, :]  # [BG, BS]
     offs_k = offs_g[:, None] * group_size + offs_s[None, :]  # [BG, BS]
     x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
+    pdl_launch_dependents(USE_PDL)
     scale = fp8_scale(tl.max(abs_no_nan(x), axis=1), eps, FP8_MAX, USE_UE8M0)  # [BG]
     q = to_fp8(x, tl.broadcast_to(scale[:, None], (BLOCK_G, BLOCK_S)), FP8_MAX)
     tl.store(q_ptr + pid_m * stride_qm + offs_k, q.to(q_ptr.dtype.element_ty), mask=mask)
@@ -56,9 +60,10 @@ def _per_token_quant_fp8_kernel(
     q_ptr,  # [rows, K] float8_e4m3fn, unit stride along K
     s_ptr,  # [rows] float32
     K, eps, stride_xm, stride_qm,
-    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     x_row = x_ptr + pid_m * stride_xm
     q_row = q_ptr + pid_m * stride_qm
     offs_k = tl.arange(0, BLOCK_K)
@@ -66,6 +71,7 @@ def _per_token_quant_fp8_kernel(
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, abs_no_nan(x))
+    pdl_launch_dependents(USE_PDL)  # the second pass rereads the row (L2/L1 hits)
     scale = fp8_scale(tl.max(acc, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
     tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
     scale_k = tl.broadcast_to(scale, (BLOCK_K,))
@@ -81,13 +87,15 @@ def _static_quant_fp8_kernel(
     q_ptr,  # [rows, K] float8_e4m3fn, unit stride along K
     scale_ptr,  # [1] float32
     K, stride_xm, stride_qm,
-    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
     mask_k = offs_k < K
     x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     scale = tl.broadcast_to(tl.load(scale_ptr), (BLOCK_K,))
+    pdl_launch_dependents(USE_PDL)
     tl.store(q_ptr + pid_m * stride_qm + offs_k, to_fp8(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
 
 
@@ -170,7 +178,7 @@ def per_token_group_quant_fp8(
     launch(_per_token_group_quant_fp8_kernel, (rows, cdiv(g, block_g)),
         x2, out_q, s2, num_groups=g, group_size=group_size, eps=eps,
         stride_xm=x2.stride(0), stride_qm=k, stride_sm=s2.stride(0), stride_sg=s2.stride(1),
-        FP8_MAX=FP8_MAX, USE_UE8M0=use_ue8m0, BLOCK_G=block_g, BLOCK_S=block_s, num_warps=num_warps,
+        FP8_MAX=FP8_MAX, USE_UE8M0=use_ue8m0, BLOCK_G=block_g, BLOCK_S=block_s, num_warps=num_warps, **pdl_args(),
     )
     return out_q, out_scale
 
@@ -198,7 +206,7 @@ def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tens
         return q, scales
     launch(_per_token_quant_fp8_kernel, (rows,),
         x2, q, scales, K=k, eps=eps, stride_xm=x2.stride(0), stride_qm=k,
-        FP8_MAX=FP8_MAX, BLOCK_K=min(PER_TOKEN_BLOCK_K, next_power_of_2(max(k, 1))), num_warps=4,
+        FP8_MAX=FP8_MAX, BLOCK_K=min(PER_TOKEN_BLOCK_K, next_power_of_2(max(k, 1))), num_warps=4, **pdl_args(),
     )
     return q, scales
 
@@ -228,5 +236,6 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     block_k = min(1024, next_power_of_2(k))
     launch(_static_quant_fp8_kernel, (rows, cdiv(k, block_k)),
         x2, q, scale, K=k, stride_xm=x2.stride(0), stride_qm=k, FP8_MAX=FP8_MAX, BLOCK_K=block_k, num_warps=4,
+        **pdl_args(),
     )
     return q

@@ -9,6 +9,7 @@ from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_t
 from tmoe.kernels.common import cdiv, check_num_local_experts, local_expert, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, planned
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -22,9 +23,10 @@ def _moe_reduce_kernel(
     K, num_experts, num_local_experts,
     stride_ym, stride_yt, stride_yk, stride_wm, stride_im, stride_om, stride_ok,
     TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-    APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_ROWS: tl.constexpr,
+    APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
+    pdl_wait(USE_PDL)
     offs_k = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -43,6 +45,7 @@ def _moe_reduce_kernel(
         if APPLY_WEIGHTS:
             y *= tl.load(weights_ptr + pid_m * stride_wm + t, mask=computed, other=0.0)
         acc += y
+    pdl_launch_dependents(USE_PDL)
     tl.store(out_ptr + pid_m * stride_om + offs_k * stride_ok, acc.to(out_ptr.dtype.element_ty), mask=mask_k)
 
 
@@ -124,5 +127,5 @@ def _moe_reduce_into(
         stride_wm=weights.stride(0), stride_im=topk_ids.stride(0), stride_om=out.stride(0), stride_ok=out.stride(1),
         TOPK=topk, BLOCK_K=block_k, APPLY_WEIGHTS=topk_weights is not None, HAS_MAP=expert_map is not None,
         HAS_ROWS=rows is not None,
-        num_warps=4,
+        num_warps=4, **pdl_args(),
     ), out)
