@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = (
     "_align_count_kernel _align_scan_kernel _align_scatter_kernel _align_single_kernel _batched_dispatch_kernel "
     "_moe_down_reduce_kernel _moe_gemm_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
-    "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_kernel"
+    "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_kernel _zero_kernel"
 ).split()
 
 # A stand-in CUDA driver reports an sm_90 device; launches only compile (warmup), so no kernel runs.
