@@ -1,9 +1,10 @@
 """Weight-only int4 / int8 / mxfp4 experts against the float32 reference on dequantized weights.
 
 Tolerance: the kernels dequantize exactly (codes minus zero points, and e2m1 values, are exact in
-the activation dtype; each group's scale multiplies its K step's float32 product), so the only
-rounding left is the activation dtype's: float32 inputs meet ``TOLERANCES["float32"]``, bfloat16
-ones ``TOLERANCES["bfloat16"]`` (the intermediate is stored in bfloat16).
+the activation dtype; bf16/fp16 int4 steps subtract the codes' offset and zero point as a float32
+row sum; each group's scale multiplies its K step's float32 product), so the rounding left is the
+activation dtype's and float32's: float32 inputs meet ``TOLERANCES["float32"]``, bfloat16 and
+float16 ones ``TOLERANCES[dtype]`` (the intermediate is stored in the activation dtype).
 """
 from __future__ import annotations
 
