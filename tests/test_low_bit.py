@@ -1,9 +1,10 @@
 """Weight-only int4 / int8 / mxfp4 experts against the float32 reference on dequantized weights.
 
 Tolerance: the kernels dequantize exactly (codes minus zero points, and e2m1 values, are exact in
-the activation dtype; each group's scale multiplies its K step's float32 product), so the only
-rounding left is the activation dtype's: float32 inputs meet ``TOLERANCES["float32"]``, bfloat16
-ones ``TOLERANCES["bfloat16"]`` (the intermediate is stored in bfloat16).
+the activation dtype; bf16/fp16 int4 steps subtract the codes' offset and zero point as a float32
+row sum; each group's scale multiplies its K step's float32 product), so the rounding left is the
+activation dtype's and float32's: float32 inputs meet ``TOLERANCES["float32"]``, bfloat16 and
+float16 ones ``TOLERANCES[dtype]`` (the intermediate is stored in the activation dtype).
 """
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ import tmoe
 from tmoe.reference import (
     dequantize_int_reference, dequantize_mxfp4_reference, moe_reference, pack_int4_reference, unpack_int4_reference,
 )
-from tmoe.kernels import gemm_args
-from tmoe.kernels.launch import clear_launch_caches
 from tmoe.testing import assert_close, rel_error
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
 from tmoe.weights import _pack_nibbles
@@ -92,30 +91,8 @@ def test_low_bit_layer(case, route):
     assert_close(out, ref, case.dtype)
 
 
-@pytest.mark.parametrize("case,block_k", [(Case("int4", 32, True, MoEShape(5, 4, 48, 80, 2), torch.float32), 128),
-                                          (Case("int8", 32, False, MoEShape(6, 4, 40, 72, 2), torch.bfloat16), 64),
-                                          (Case("mxfp4", 32, False, MoEShape(4, 4, 48, 96, 2), torch.float32), 64)],
-                         ids=lambda v: str(v))
-def test_low_bit_several_groups_per_k_step(case, block_k, route):
-    """block_k above the group size: each value is scaled before the dot (K=80, 72 and 96 are
-    not multiples of block_k, so the last step's groups past K are masked)."""
-    tiles = tmoe.GemmConfig(16, 32, block_k, num_stages=2)
-    with tmoe.override_config(tmoe.MoEConfig(tiles, tiles, tiles)):
-        out, ref = run_case(case)
-    assert_close(out, ref, case.dtype)
-
-
-@pytest.fixture
-def fast_dequant(monkeypatch):
-    """The FAST_DEQUANT kernels (packed 4-bit tiles, values built from bits) for the test."""
-    monkeypatch.setattr(gemm_args, "FAST_DEQUANT", True)
-    clear_launch_caches()  # launches are planned once per signature: plan them again
-    yield
-    monkeypatch.undo()
-    clear_launch_caches()
-
-
-FAST_CASES = [
+# block_k = the group times groups_per_step; K is mostly not a multiple of block_k
+ONE_GROUP = [
     Case("int4", 32, True, MoEShape(5, 4, 48, 80, 2), torch.bfloat16),
     Case("int4", 32, False, MoEShape(7, 4, 40, 136, 2), torch.float16, "out_of_range"),
     Case("int4", 64, True, MoEShape(3, 3, 64, 160, 1), torch.float32),
@@ -123,14 +100,17 @@ FAST_CASES = [
     Case("mxfp4", 32, False, MoEShape(5, 4, 48, 96, 2), torch.bfloat16),
     Case("mxfp4", 32, False, MoEShape(9, 4, 64, 80, 3), torch.float32, "skewed"),
 ]
+STEP_CASES = [(case, groups) for case in ONE_GROUP for groups in (1, 2)] + [
+    (Case("int4", 32, True, MoEShape(5, 4, 48, 80, 2), torch.float32), 4),
+    (Case("int8", 32, False, MoEShape(6, 4, 40, 72, 2), torch.bfloat16), 2),
+]
 
 
-@pytest.mark.parametrize("groups_per_step", [1, 2])
-@pytest.mark.parametrize("case", FAST_CASES, ids=str)
-def test_fast_dequant(case, groups_per_step, route, fast_dequant):
-    """FAST_DEQUANT: bf16/fp16 steps of one group build the values in the activation dtype (int4
-    with the OFFSET row-sum correction), the others in float32; K (80, 136, 160, 96) is not a
-    multiple of block_k, so the last step's packed rows past K are masked."""
+@pytest.mark.parametrize("case,groups_per_step", STEP_CASES, ids=lambda v: str(v))
+def test_low_bit_k_steps(case, groups_per_step, route):
+    """One group per K step: bf16/fp16 4-bit steps build the values in the activation dtype (int4
+    with the OFFSET row-sum correction), the others in float32. Several: each value is scaled
+    before the dot. The last step's packed rows and groups past K are masked."""
     tiles = tmoe.GemmConfig(16, 32, case.group * groups_per_step, num_stages=2)
     with tmoe.override_config(tmoe.MoEConfig(tiles, tiles, tiles)):
         out, ref = run_case(case)

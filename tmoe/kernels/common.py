@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from tmoe.kernels.dequant import b_rows, dequant_dot, fast_dequant_dot
+from tmoe.kernels.dequant import b_rows, dequant_dot
 
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")  # act(gate) * up: W1 has 2N rows
 NO_MUL_ACTIVATIONS = ("silu_no_mul", "gelu_no_mul", "relu2_no_mul")  # act(h): W1 has N rows
@@ -98,7 +98,7 @@ def local_expert(topk_ids_ptr, expert_map_ptr, slot, num_experts, num_local_expe
 @triton.jit
 def moe_tile_matmul(
     a_ptrs,  # [BM, BK] pointers at k = 0
-    b_ptrs,  # [BK, BN] pointers at k = 0 (FAST 4-bit: [BK/2, BN] packed bytes)
+    b_ptrs,  # [BK, BN] pointers at k = 0 (4-bit: [BK/2, BN] packed bytes)
     mask_m,  # [BM] valid rows
     mask_n,  # [BN] valid columns
     a_scale_ptrs,  # [BM] pointers to per-row (or per-row-group) activation scales
@@ -119,18 +119,17 @@ def moe_tile_matmul(
     HAS_ZP: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
-    FAST: tl.constexpr,
 ):
     """float32 [BM, BN] = A[rows, :K] @ B[:K, cols], dequantized.
 
     QUANT: "none"; "scaled" (one scale per row of A and per column of B, broadcast by
     zero strides for per-tensor scales, applied once at the end); "block" (scales per
     GROUP_K slice of K, applied per K tile; GROUP_K is a multiple of BLOCK_K); weight-only
-    "int4", "int8", "mxfp4" (B holds codes, 4-bit: bytes at k // 2; one scale and zero point per
-    column and GROUP_K slice of K; see dequant.py; FAST: ``fast_dequant_dot``).
+    "int4", "int8", "mxfp4" (B holds codes, 4-bit: [BK/2, BN] packed bytes, two k per byte; one
+    scale and zero point per column and GROUP_K slice of K; ``dequant.dequant_dot``).
     """
     offs_k = tl.arange(0, BLOCK_K)
-    _, b_k = b_rows(BLOCK_K, QUANT, FAST)  # [BK] logical k of B's rows ([BK/2] FAST 4-bit)
+    _, b_k = b_rows(BLOCK_K, QUANT)  # [BK] logical k of B's rows ([BK/2] 4-bit)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -147,12 +146,9 @@ def moe_tile_matmul(
             acc += tl.dot(a, b, input_precision=PRECISION) * a_s[:, None] * b_s[None, :]
         elif QUANT == "none" or QUANT == "scaled":
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        elif FAST:  # low-bit weights
-            acc = fast_dequant_dot(a, b, acc, b_scale_ptrs, zp_ptrs, zp_shift, k * BLOCK_K, K, stride_bsk, stride_zpk,
-                                   mask_n, BLOCK_K, GROUP_K, QUANT, HAS_ZP, PRECISION)  # [BM, BN]
-        else:
-            acc = dequant_dot(a, b, acc, b_scale_ptrs, zp_ptrs, zp_shift, k * BLOCK_K, offs_k, K, stride_bsk,
-                              stride_zpk, mask_n, BLOCK_K, GROUP_K, QUANT, HAS_ZP, PRECISION)  # [BM, BN]
+        else:  # low-bit weights
+            acc = dequant_dot(a, b, acc, b_scale_ptrs, zp_ptrs, zp_shift, k * BLOCK_K, K, stride_bsk, stride_zpk,
+                              mask_n, BLOCK_K, GROUP_K, QUANT, HAS_ZP, PRECISION)  # [BM, BN]
         a_ptrs += BLOCK_K * stride_ak
         if QUANT == "int4" or QUANT == "mxfp4":
             b_ptrs += (BLOCK_K // 2) * stride_bk

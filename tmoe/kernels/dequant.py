@@ -1,16 +1,17 @@
-"""Jit helpers of the weight-only low-bit GEMMs (layouts: ``gemm_args.WeightScales``): byte
-offsets along K of packed weights, the scales and zero points of a K step, the unpacking of a
-[BK, BN] tile of codes into exact float32 values, and the dequantized dot of one K step.
+"""Jit helpers of the weight-only low-bit GEMMs (layouts: ``gemm_args.WeightScales``): the rows of
+a K step's B tile, the scales and zero points of a K step, values built from the codes' bits, and
+the dequantized dot of one K step.
 
-BLOCK_K <= GROUP_K (one group per K step): the codes minus zero points (or e2m1 values) are exact
-in the activation dtype and the group's scale multiplies the step's float32 product. BLOCK_K >
-GROUP_K: each value is scaled in float32, then rounded to the activation dtype for the dot.
+4-bit B tiles are [BK/2, BN] packed bytes (16-byte loads along K) split into low (even k) and high
+(odd k) nibbles, dotted with A's even and odd columns; int8 tiles are [BK, BN]. Values are built
+from their bits (no int -> float conversion).
 
-FAST (``gemm_args.FAST_DEQUANT``): 4-bit B tiles are [BK/2, BN] packed bytes (16-byte loads along
-K) split into low (even k) and high (odd k) nibbles, dotted with A's even and odd columns; values
-are built from their bits (no int -> float conversion): bf16/fp16 steps of one group take int4 as
-OFFSET + q in the activation dtype (OFFSET * rowsum(A) leaves the float32 product with the zero
-point) and e2m1 directly; the other steps build float32 values as 2^23 + q (int) or e2m1 bits."""
+BLOCK_K <= GROUP_K (one group per K step): the group's scale multiplies the step's float32
+product. bf16/fp16 steps take int4 codes as OFFSET + q in the activation dtype (OFFSET * rowsum(A)
+leaves the float32 product with the zero point) and e2m1 values directly; the other steps (float32
+activations, int8) build float32 values from 2^23 + q (q - zp, exact in the activation dtype) or
+from the e2m1 bits. BLOCK_K > GROUP_K: the step's groups are loaded once, each value is scaled in
+float32, then rounded to the activation dtype for the dot."""
 import triton
 import triton.language as tl
 
@@ -24,15 +25,15 @@ def weight_k(offs_k, QUANT: tl.constexpr):
 
 
 @triton.jit
-def b_rows(BLOCK_K: tl.constexpr, QUANT: tl.constexpr, FAST: tl.constexpr):
-    """(offsets along W's last dimension, first logical k) of the rows of a K step's B tile: FAST
-    4-bit: BK/2 rows of packed bytes j (k = 2j); else BK rows of logical k (4-bit: byte k // 2)."""
-    if FAST and (QUANT == "int4" or QUANT == "mxfp4"):
+def b_rows(BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
+    """(offsets along W's last dimension, first logical k) of the rows of a K step's B tile: 4-bit:
+    BK/2 rows of packed bytes j (k = 2j); else BK rows of logical k."""
+    if QUANT == "int4" or QUANT == "mxfp4":
         offs = tl.arange(0, BLOCK_K // 2)
         k = offs * 2
     else:
         k = tl.arange(0, BLOCK_K)
-        offs = weight_k(k, QUANT)
+        offs = k
     return offs, k
 
 
@@ -68,44 +69,6 @@ def group_dequant(s_ptrs, zp_ptrs, zp_shift, k_group, stride_sk, stride_zpk, mas
         else:
             zp += 128
     return scale, zp
-
-
-@triton.jit
-def unpack_tile(q, offs_k, zp, QUANT: tl.constexpr):
-    """[BK, BN] uint8 codes -> float32 values before the group scale: q - zp (int4/int8, ``zp``
-    [1, BN] or [BK, BN]) or the e2m1 value (mxfp4). 4-bit: ``q`` holds bytes; logical k's nibble
-    is k % 2, low first."""
-    q = q.to(tl.int32)
-    if QUANT == "int4" or QUANT == "mxfp4":
-        q = (q >> ((offs_k % 2) * 4)[:, None]) & 0xF
-    if QUANT == "mxfp4":  # e2m1: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0 -> float32 bits
-        e = (q >> 1) & 3
-        m = q & 1
-        bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * 0x3F000000)  # subnormal: 0 or 0.5
-        v = (bits | ((q & 8) << 28)).to(tl.float32, bitcast=True)
-    else:
-        v = (q - zp).to(tl.float32)
-    return v
-
-
-@triton.jit
-def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, offs_k, K, stride_sk, stride_zpk, mask_n,
-                BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """acc + a @ dequant(q) in float32 for the K step at ``k0``: a [BM, BK], q [BK, BN] codes,
-    ``s_ptrs``/``zp_ptrs``/``zp_shift``/``mask_n`` [BN] of the tile's columns."""
-    if BLOCK_K <= GROUP_K:
-        s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], k0 // GROUP_K, stride_sk,
-                              stride_zpk, mask_n[None, :], QUANT, HAS_ZP)  # [1, BN]
-        b = unpack_tile(q, offs_k, zp, QUANT).to(a.dtype)  # [BK, BN]
-        acc += tl.dot(a, b, input_precision=PRECISION) * s
-    else:
-        mask = mask_n[None, :] & ((k0 + offs_k) < K)[:, None]  # [BK, BN]: no group past K
-        s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], ((k0 + offs_k) // GROUP_K)[:, None],
-                              stride_sk, stride_zpk, mask, QUANT, HAS_ZP)  # [BK, BN]
-        b = (unpack_tile(q, offs_k, zp, QUANT) * s).to(a.dtype)  # [BK, BN]
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    return acc
 
 
 @triton.jit
@@ -162,10 +125,12 @@ def _repeat_rows(x, ROWS: tl.constexpr):
 
 
 @triton.jit
-def fast_dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_zpk, mask_n,
-                     BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """dequant_dot with FAST: ``q`` [BK/2, BN] packed bytes (4-bit) or [BK, BN] (int8)."""
+def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_zpk, mask_n,
+                BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """acc + a @ dequant(q) in float32 for the K step at ``k0``: a [BM, BK], q [BK/2, BN] packed
+    bytes (4-bit) or [BK, BN] (int8), ``s_ptrs``/``zp_ptrs``/``zp_shift``/``mask_n`` [BN] of the
+    tile's columns."""
     PACKED: tl.constexpr = QUANT == "int4" or QUANT == "mxfp4"
     BLOCK_M: tl.constexpr = a.shape[0]
     q = q.to(tl.int32)

@@ -39,14 +39,8 @@ class WeightScales:
     group_size: int
 
 
-# Low-bit weights take the packed-byte loads and bit-built values of ``dequant.fast_dequant_dot``
-# (H200, 2026-12-04: faster than the per-byte path at every point measured, e.g. int4 Qwen3-30B-A3B
-# M=1 110 -> 35 us, mxfp4 2528 -> 77 us); read when a launch is planned.
-FAST_DEQUANT = True
-
-
 def _no_zero_point(w: torch.Tensor) -> dict:
-    return dict(w_zp_ptr=w, stride_zpe=0, stride_zpn=0, stride_zpk=0, HAS_ZP=False, FAST_DEQUANT=False)
+    return dict(w_zp_ptr=w, stride_zpe=0, stride_zpn=0, stride_zpk=0, HAS_ZP=False)
 
 
 def _weight_scale_args(ws: WeightScales, a: torch.Tensor, w: torch.Tensor) -> dict:
@@ -55,7 +49,6 @@ def _weight_scale_args(ws: WeightScales, a: torch.Tensor, w: torch.Tensor) -> di
     args = dict(a_scale_ptr=s, w_scale_ptr=s, stride_ase=0, stride_asm=0, stride_ask=0, stride_wse=s.stride(0),
                 stride_wsn=s.stride(1), stride_wsk=s.stride(2), GROUP_N=1, GROUP_K=ws.group_size,
                 QUANT=ws.weight_dtype, **_no_zero_point(w))
-    args.update(FAST_DEQUANT=FAST_DEQUANT)
     if zp is not None:
         args.update(w_zp_ptr=zp, stride_zpe=zp.stride(0), stride_zpn=zp.stride(1), stride_zpk=zp.stride(2),
                     HAS_ZP=True)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
-from tmoe.kernels.dequant import b_rows, dequant_dot, fast_dequant_dot, weight_k, zero_point_rows
+from tmoe.kernels.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
 from tmoe.kernels.gemm_args import (
     Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
 )
@@ -47,7 +47,7 @@ def _moe_down_reduce_kernel(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr, APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_ZP: tl.constexpr, FAST_DEQUANT: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_ZP: tl.constexpr,
     USE_PDL: tl.constexpr, PDL_PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -60,7 +60,7 @@ def _moe_down_reduce_kernel(
     mask_n = offs_n < N
     row0 = offs_bm[:, None] == 0  # [BM, 1]
     zp_rows, zp_shift = zero_point_rows(offs_n, QUANT)  # [BN] (low-bit weights)
-    offs_wk, b_k = b_rows(BLOCK_K, QUANT, FAST_DEQUANT)  # [BK] ([BK/2] FAST 4-bit: packed bytes)
+    offs_wk, b_k = b_rows(BLOCK_K, QUANT)  # [BK] ([BK/2] 4-bit: packed bytes)
     # the token's experts and weights, loaded once: addresses in the loop depend only on
     # registers and the loop index, so the pipeliner can prefetch across slot boundaries
     offs_t = tl.arange(0, TOPK_P2)
@@ -96,20 +96,13 @@ def _moe_down_reduce_kernel(
         a = tl.load(a_ptr + slot * stride_am + (k0 + offs_k)[None, :] * stride_ak + offs_bm[:, None] * 0,
                     mask=mask_a, other=0.0)  # [BM, BK]
         b = tl.load(w_ptr + safe_expert * stride_we + (weight_k(k0, QUANT) + offs_wk)[:, None] * stride_wk
-                    + offs_n[None, :] * stride_wn, mask=mask_b, other=0.0)  # [BK, BN] ([BK/2, BN] FAST 4-bit)
+                    + offs_n[None, :] * stride_wn, mask=mask_b, other=0.0)  # [BK, BN] ([BK/2, BN] 4-bit)
         if QUANT == "none":
             acc += tl.dot(a, b, input_precision=PRECISION) * scale
-        elif FAST_DEQUANT:
-            part = fast_dequant_dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-                                    w_scale_ptr + safe_expert * stride_wse + offs_n * stride_wsn,
-                                    w_zp_ptr + safe_expert * stride_zpe + zp_rows * stride_zpn, zp_shift, k0, K,
-                                    stride_wsk, stride_zpk, mask_n & computed, BLOCK_K, GROUP_K, QUANT, HAS_ZP,
-                                    PRECISION)  # [BM, BN]
-            acc += part * scale
         elif QUANT == "int4" or QUANT == "int8" or QUANT == "mxfp4":
             part = dequant_dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
                                w_scale_ptr + safe_expert * stride_wse + offs_n * stride_wsn,
-                               w_zp_ptr + safe_expert * stride_zpe + zp_rows * stride_zpn, zp_shift, k0, offs_k, K,
+                               w_zp_ptr + safe_expert * stride_zpe + zp_rows * stride_zpn, zp_shift, k0, K,
                                stride_wsk, stride_zpk, mask_n & computed, BLOCK_K, GROUP_K, QUANT, HAS_ZP,
                                PRECISION)  # [BM, BN]
             acc += part * scale

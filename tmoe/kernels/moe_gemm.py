@@ -65,7 +65,7 @@ def _moe_gemm_kernel(
     QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, FAST_DEQUANT: tl.constexpr,
+    W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr,
     USE_PDL: tl.constexpr, PDL_PREFETCH: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -152,7 +152,7 @@ def _moe_gemm_kernel(
             w_cols = offs_n
             mask_c = mask_n
         zp_rows, zp_shift = zero_point_rows(w_cols, QUANT)  # [BN] (2BN when MUL)
-        offs_wk, _ = b_rows(BLOCK_K, QUANT, FAST_DEQUANT)  # [BK] ([BK/2] packed bytes)
+        offs_wk, _ = b_rows(BLOCK_K, QUANT)  # [BK] ([BK/2] 4-bit packed bytes)
         acc = moe_tile_matmul(
             a_ptrs,
             w_ptr + expert * stride_we + offs_wk[:, None] * stride_wk + w_cols[None, :] * stride_wn,
@@ -161,7 +161,7 @@ def _moe_gemm_kernel(
             w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
             w_zp_ptr + expert * stride_zpe + zp_rows * stride_zpn, zp_shift,
             K, stride_ak, stride_wk, stride_ask, stride_wsk, stride_zpk,
-            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION, FAST_DEQUANT,
+            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION,
         )  # [BM, BN] float32, [BM, 2BN] when MUL
         if MUL:
             acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))

@@ -8,7 +8,7 @@ Results are written after every M, and M values already in the output file are s
 an interrupted run resumes. Weight-only low-bit (``--quant int4|int8|mxfp4``): weights as
 ``tmoe.tools.low_bit`` quantizes them for the bench (group 128; mxfp4 32), tiles with block_k
 above and at most the group (two dequantization paths), pointer loads only; tables named
-``dtype=int4_w4a16`` etc. (``--fast-dequant``: the FAST_DEQUANT kernels). ``--direct`` tunes the decode path's down GEMM (fused top-k
+``dtype=int4_w4a16`` etc. ``--direct`` tunes the decode path's down GEMM (fused top-k
 reduce) at the given M values of an existing table, adding ``direct_down`` to those rows.
 ``--tma`` times the rows of an existing table at the given M values against the TMA-weight
 candidates of the same block_m and keeps the fastest; it can be run again (not resumable).
@@ -28,7 +28,6 @@ from tmoe.tools.peers import quantize_fp8
 from tmoe.config import GemmConfig, MoEConfig, config_file_name, device_name, read_table, save_table
 from tmoe.config.tables import SHIPPED_CONFIGS
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels import gemm_args
 from tmoe.kernels.gemm_args import Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_gemm import Routing, invoke_moe_gemm
@@ -231,11 +230,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=str(SHIPPED_CONFIGS))
     ap.add_argument("--direct", action="store_true", help="add decode-path down tiles to the table's rows")
     ap.add_argument("--tma", action="store_true", help="time the table's rows against TMA-weight tiles, keep the fastest")
-    ap.add_argument("--fast-dequant", action="store_true",
-                    help="low-bit: time the FAST_DEQUANT kernels (tmoe.kernels.gemm_args) instead of the default")
     args = ap.parse_args(argv)
-    if args.fast_dequant:
-        gemm_args.FAST_DEQUANT = True
     e, n, k, topk = SHAPES.get(args.shape) or tuple(int(v) for v in args.shape.split(","))
     path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")),
                                              TABLE_DTYPES.get(args.quant), QUANTS.get(args.quant))
