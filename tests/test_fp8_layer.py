@@ -148,7 +148,8 @@ def test_epilogue_quant_equals_group_quant_of_float32_intermediate(layout, tma):
     same accumulator, same rounding); unwritten elements stay NaN-poisoned and fail."""
     from tmoe.config import GemmConfig
     from tmoe.kernels.gemm_args import Scales
-    from tmoe.kernels.moe_gemm import DirectRouting, Routing, invoke_moe_gemm
+    from tmoe.kernels.gemm_args import DirectRouting, Routing
+    from tmoe.kernels.moe_gemm import invoke_moe_gemm
     from tmoe.testing import poison
 
     block = SCHEMES[3].config.block_shape

@@ -1,5 +1,6 @@
 """Launch arguments shared by the expert GEMM kernels: fp8 scales, low-bit weight scales and zero
-points, and their strides, the shared-memory fit of a tile config, the weights' TMA descriptor, operand checks."""
+points, and their strides, the shared-memory fit of a tile config, the weights' TMA descriptor, operand
+checks, and where a GEMM finds its rows (``Routing``, ``DirectRouting``)."""
 from __future__ import annotations
 
 import functools
@@ -174,3 +175,26 @@ def check_gemm_operands(a_name: str, a: torch.Tensor, w_name: str, w: torch.Tens
         raise TypeError(f"{a_name} ({a.dtype}) and {w_name} ({w.dtype}) must have the same dtype")
     if a.shape[-1] != w.shape[2]:
         raise ValueError(f"{a_name} has {k_dim}={a.shape[-1]} but {w_name} has {w.shape[2]} in its last dimension")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where a Standard-format GEMM finds its rows: the align stage's outputs."""
+
+    sorted_token_ids: torch.Tensor  # [EM] int32
+    expert_ids: torch.Tensor  # [EM // block_m] int32
+    num_tokens_post_padded: torch.Tensor  # [1] int32
+    num_slots: int  # M * topk; the sentinel value in sorted_token_ids
+    a_row_div: int  # slot // a_row_div is the row of A: topk for (M, K) inputs, 1 for per-slot inputs
+
+
+@dataclass(frozen=True)
+class DirectRouting:
+    """Standard-format rows without the align stage: slot s is row s // a_row_div of A and its
+    expert is ``topk_ids[s]`` (mapped through ``expert_map``; an id out of range, or mapped outside
+    [0, E_local) with E_local the weights' expert count: zero)."""
+
+    topk_ids: torch.Tensor  # [M, topk] int32/int64, contiguous
+    num_experts: int  # global expert count
+    expert_map: torch.Tensor | None = None  # [num_experts] int32
+    a_row_div: int = 1

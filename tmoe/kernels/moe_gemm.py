@@ -11,8 +11,6 @@ return early. All row and expert offsets are int64.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -24,8 +22,8 @@ from tmoe.kernels.common import (
 )
 from tmoe.kernels.dequant import b_rows, zero_point_rows
 from tmoe.kernels.gemm_args import (
-    Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget, uniform_w_scale,
-    weight_descriptor,
+    DirectRouting, Routing, Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
+    uniform_w_scale, weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, launch, planned
@@ -200,29 +198,6 @@ def _moe_gemm_kernel(
         if MUL_ROUTED_WEIGHT:
             acc = acc * weight[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
-
-
-@dataclass(frozen=True)
-class Routing:
-    """Where a Standard-format GEMM finds its rows: the align stage's outputs."""
-
-    sorted_token_ids: torch.Tensor  # [EM] int32
-    expert_ids: torch.Tensor  # [EM // block_m] int32
-    num_tokens_post_padded: torch.Tensor  # [1] int32
-    num_slots: int  # M * topk; the sentinel value in sorted_token_ids
-    a_row_div: int  # slot // a_row_div is the row of A: topk for (M, K) inputs, 1 for per-slot inputs
-
-
-@dataclass(frozen=True)
-class DirectRouting:
-    """Standard-format rows without the align stage: slot s is row s // a_row_div of A and its
-    expert is ``topk_ids[s]`` (mapped through ``expert_map``; an id out of range, or mapped outside
-    [0, E_local) with E_local the weights' expert count: zero)."""
-
-    topk_ids: torch.Tensor  # [M, topk] int32/int64, contiguous
-    num_experts: int  # global expert count
-    expert_map: torch.Tensor | None = None  # [num_experts] int32
-    a_row_div: int = 1
 
 
 @with_interpreter_fixes

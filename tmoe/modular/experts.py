@@ -9,9 +9,9 @@ from tmoe.kernels.checks import positive_int
 from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.common import w1_rows_per_n
-from tmoe.kernels.gemm_args import Scales, WeightScales
+from tmoe.kernels.gemm_args import DirectRouting, Routing, Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
-from tmoe.kernels.moe_gemm import DirectRouting, Routing, invoke_moe_gemm
+from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.modular.interfaces import FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute
 from tmoe.modular.quantize import quantize_activations
 

@@ -11,8 +11,8 @@ from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_te
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
 from tmoe.kernels.common import cdiv, w1_rows_per_n
-from tmoe.kernels.gemm_args import Scales, check_gemm_operands
-from tmoe.kernels.moe_gemm import Routing, invoke_moe_gemm
+from tmoe.kernels.gemm_args import Routing, Scales, check_gemm_operands
+from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.modular.checks import check_activation
 from tmoe.kernels.quant import (
     FP8_DTYPE,
