@@ -186,7 +186,8 @@ def _through_triton():
 def test_gpu_replay_is_bit_exact_and_captures(m, tma, replays):
     """On the GPU a replay calls the compiled kernels with integer addresses (and rebuilt TMA
     descriptors): every replayed call equals Triton's own launch of the same call bit for bit,
-    and a CUDA graph captured while replaying gives the eager result for new routing."""
+    and a CUDA graph captured after replayed calls (the capture itself takes the plain path)
+    gives the eager result for new routing."""
     from tmoe.config import GemmConfig, MoEConfig, override_config
     from tmoe.testing.graphs import capture_cuda_graph
 
