@@ -124,14 +124,14 @@ def _scale_kernel(x_ptr, table_ptr, tmp_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.load(tmp_ptr + offs, mask=mask) + 1.0, mask=mask)
 
 
-_TABLE: dict[int, torch.Tensor] = {}  # a cached constant: outlives every call
+_TABLE: dict[int, torch.Tensor] = {}  # a cached constant, made before the recorded call
 
 
 def _composite(x: torch.Tensor, out: torch.Tensor, extra_torch_op: bool = False) -> torch.Tensor:
     if x.numel() not in _TABLE:
         _TABLE[x.numel()] = torch.arange(x.numel(), dtype=torch.float32)
     table = _TABLE[x.numel()]
-    tmp = torch.empty_like(x)  # a workspace: dropped at the end of the call
+    tmp = torch.empty_like(x)  # a workspace: allocated by the call
     if extra_torch_op:
         x = x * 2  # device work that is not a Triton launch
     launch_mod.launch(_scale_kernel, (1,), x, table, tmp, out, x.numel(), BLOCK=16)

@@ -11,9 +11,10 @@ its storage:
 
 - a view into one of the call's ``inputs`` (the layer arguments and the output): replayed at the
   same byte offset from that input's address;
-- memory the call allocated and dropped (workspaces, routing buffers): replayed in one fresh
-  allocation per call, at the same offsets (each storage 256-byte aligned);
-- memory that outlives the call (a cached constant): replayed as it is.
+- memory the call allocated (workspaces, routing buffers; the dispatch mode sees each
+  allocation): replayed in one fresh allocation per call, at the same offsets (each storage
+  256-byte aligned);
+- memory from before the call that is no input (a cached constant): replayed as it is.
 
 A replay launches the compiled kernels directly with integer addresses on a GPU, and through
 Triton (tensors rebuilt as views) under the interpreter. Calls run plainly while a launch hook is
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import sys
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,16 +42,21 @@ _IN, _WS, _CONST, _DESC, _SAME = range(5)  # _SAME: an input itself (same dtype,
 
 
 class _DeviceWorkCheck(TorchDispatchMode):
-    """Notes any torch operation of a recorded call that is neither an allocation nor a view."""
+    """Notes the storages a recorded call allocates, and any torch operation that is neither an
+    allocation nor a view."""
 
     def __init__(self) -> None:
         super().__init__()
         self.other: list[str] = []
+        self.allocated: set[int] = set()  # storage addresses
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not (func in _ALLOCATIONS or func.is_view):
+        out = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.allocated.add(out.untyped_storage().data_ptr())
+        elif not func.is_view:
             self.other.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 @dataclasses.dataclass
@@ -117,12 +122,6 @@ def _extent(t: torch.Tensor) -> int:
     return (sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) + 1) * t.element_size()
 
 
-def _outlives_call(t: torch.Tensor) -> bool:
-    """Whether anything but the caller's one local reference holds the base tensor ``t`` (the
-    Python object: a cache; or its storage: another tensor)."""
-    return sys.getrefcount(t) > 3 or torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2  # 3: caller, argument, getrefcount's own
-
-
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
             and a.stride() == b.stride())
@@ -177,20 +176,20 @@ class CallReplay:
         finally:
             _launch._local.recorder = None
         if not recorder.check.other:
-            self._build(inputs, recorder.launches)
+            self._build(inputs, recorder.launches, recorder.check.allocated)
         return result
 
     def _on_device(self) -> bool:
         return self.device is None or self.device == torch._C._cuda_getDevice()
 
-    def _build(self, inputs: tuple, launches: list[_Launched]) -> None:
+    def _build(self, inputs: tuple, launches: list[_Launched], allocated: set[int]) -> None:
         """Turn a recording into steps, or leave ``steps`` None when it cannot be replayed."""
         direct = _launch.DIRECT_CALLS
         if not launches or any((e.compiled is None) == direct for e in launches):
             return
         spans = [(t.data_ptr(), t.data_ptr() + _extent(t), i) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
         input_storages = {_storage_ptr(inputs[i]) for _, _, i in spans}
-        held: dict[int, torch.Tensor] = {}  # storage address -> the base tensor on it, for storages no input owns
+        held: dict[int, torch.UntypedStorage] = {}  # address -> the largest storage seen there, for storages no input owns
         raw: list[tuple[_Launched, dict[str, tuple]]] = []
         for entry in launches:
             sources = {}
@@ -211,20 +210,19 @@ class CallReplay:
                     elif sp in input_storages:  # beside an input, in its storage: not a function of the inputs
                         return
                     else:
-                        held.setdefault(sp, v if v._base is None else v._base)  # a view holds its base
+                        if sp not in held or v.untyped_storage().nbytes() > held[sp].nbytes():
+                            held[sp] = v.untyped_storage()
                         sources[name] = (_WS, sp, v.data_ptr() - sp, *meta)
             entry.kwargs = {n: None if n in sources else v for n, v in entry.kwargs.items()}
             raw.append((entry, sources))
-        launches.clear()  # now `held` keeps the only references this recording has to internal storages
         offsets, keep, total = {}, [], 0
-        for sp in list(held):
-            t = held.pop(sp)
-            if _outlives_call(t):
-                offsets[sp] = (_CONST, len(keep))
-                keep.append(torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()))
-            else:
+        for sp, storage in held.items():
+            if sp in allocated:  # the call's own memory (a workspace): a fresh slot of the arena per replay
                 offsets[sp] = (_WS, total)
-                total += -(-t.untyped_storage().nbytes() // _ALIGN) * _ALIGN
+                total += -(-storage.nbytes() // _ALIGN) * _ALIGN
+            else:  # memory from before the call (a cached constant): kept and read as it is
+                offsets[sp] = (_CONST, len(keep))
+                keep.append(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
         steps = []
         for entry, sources in raw:
             for name, src in sources.items():
