@@ -1,5 +1,5 @@
 """The programmatic-dependent-launch switch (``tmoe.override_pdl``): the layer's results do not
-change with it, the trigger late or early (under the interpreter the gdc calls must never run; on
+change with it (under the interpreter the gdc calls must never run; on
 a Hopper GPU the PDL kernels run), and launch plans are kept per switch state. That the PDL variants compile for
 sm_90 is checked in test_sm90_compile.py."""
 import pytest
@@ -7,9 +7,9 @@ import torch
 
 import tmoe
 from tmoe.config import config_state
-from tmoe.kernels import launch, pdl
+from tmoe.kernels import launch
 from tmoe.kernels.interpreter import INTERPRETED
-from tmoe.kernels.pdl import EARLY, LATE, OFF, pdl_args, pdl_requested
+from tmoe.kernels.pdl import pdl_args, pdl_requested
 from tmoe.reference import dequantize_fp8_reference, moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem
@@ -37,18 +37,9 @@ def _layer(p, quant: str):
             moe_reference(p.x, w1d, w2d, p.topk_weights, p.topk_ids))
 
 
-@pytest.fixture(params=[False, True], ids=["late", "early"])
-def early_trigger(request, monkeypatch):
-    """pdl.EARLY_TRIGGER set (launch plans cleared before and after: they keep the value they were made with)."""
-    monkeypatch.setattr(pdl, "EARLY_TRIGGER", request.param)
-    launch.clear_launch_caches()
-    yield request.param
-    launch.clear_launch_caches()
-
-
 @pytest.mark.parametrize("quant", ["none", "token", "block"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_switch_keeps_results(shape, quant, route, early_trigger):
+def test_switch_keeps_results(shape, quant, route):
     p = make_problem(shape, torch.bfloat16, "uniform", seed=shape.m, device=DEVICE)
     call, ref = _layer(p, quant)
     off = call()
@@ -70,13 +61,12 @@ def test_switch_is_config_state():
             pass
 
 
-def test_pdl_only_on_a_hopper_gpu(early_trigger):
+def test_pdl_only_on_a_hopper_gpu():
     with tmoe.override_pdl(True):
         args = pdl_args()
     capable = not INTERPRETED and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-    trigger = (EARLY if early_trigger else LATE).value
-    assert args == ({"USE_PDL": trigger, "launch_pdl": True} if capable else {"USE_PDL": OFF.value})
-    assert pdl_args() == {"USE_PDL": OFF.value}
+    assert args == ({"USE_PDL": True, "launch_pdl": True} if capable else {"USE_PDL": False})
+    assert pdl_args() == {"USE_PDL": False}
 
 
 def test_plans_are_kept_per_switch_state():

@@ -20,7 +20,7 @@ from tmoe.kernels.gemm_args import (
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, planned
-from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait, prefetch_expert_l2, prefetch_weights
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -48,9 +48,10 @@ def _moe_down_reduce_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr, APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_ZP: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    pdl_wait(USE_PDL)  # PDL: before anything is read; the next kernel may start after the slot loop (pdl.py)
     # the tokens of one column block run side by side: experts they share stay in L2
     pid_m = (pid % num_tokens).to(tl.int64)
     pid_n = (pid // num_tokens).to(tl.int64)
@@ -71,14 +72,6 @@ def _moe_down_reduce_kernel(
         weights_t = tl.load(topk_weights_ptr + slots_t, mask=experts_t >= 0, other=0.0)
     else:
         weights_t = tl.where(experts_t >= 0, 1.0, 0.0)  # [TP]
-    # PDL: the routing above is written two launches back, the intermediate by the up GEMM: read
-    # the routing and (PDL_PREFETCH) prefetch each slot's first weight tiles into L2, then wait;
-    # the next kernel may start after the slot loop
-    if PDL_PREFETCH:
-        for j in tl.static_range(TOPK):
-            expert_j, _ = _slot_of(experts_t, weights_t, offs_t, j)
-            prefetch_expert_l2(w_ptr, expert_j, offs_n, N, K, stride_we, stride_wn, stride_wk, BLOCK_K)
-    pdl_wait(USE_PDL)
     num_k = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, TOPK * num_k):
@@ -166,8 +159,6 @@ def moe_down_reduce(
     sargs = scale_args(scales, a, w, config)
     sargs.pop("stride_ase")
     grid = (m * cdiv(n_out, config.block_n),)
-    pdl = pdl_args()  # prefetch weight tiles while waiting: pointer loads of unpacked weights
-    prefetch = prefetch_weights(pdl) and sargs["QUANT"] in ("none", "scaled", "block")
     return Launch(_moe_down_reduce_kernel, grid, dict(
         a_ptr=a, w_ptr=w, out_ptr=out, topk_weights_ptr=topk_weights if topk_weights is not None else w, topk_ids_ptr=topk_ids,
         expert_map_ptr=expert_map if expert_map is not None else topk_ids,
@@ -179,6 +170,5 @@ def moe_down_reduce(
         TOPK=topk, TOPK_P2=max(2, next_power_of_2(topk)), BLOCK_M=16, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         APPLY_WEIGHTS=topk_weights is not None, HAS_MAP=expert_map is not None, HAS_BIAS=bias is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages, **sargs, **pdl,
-        PDL_PREFETCH=prefetch,
+        num_warps=config.num_warps, num_stages=config.num_stages, **sargs, **pdl_args(),
     ), out)

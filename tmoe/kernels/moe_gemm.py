@@ -27,7 +27,7 @@ from tmoe.kernels.gemm_args import (
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import Launch, launch, planned
-from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait, prefetch_expert_l2, prefetch_weights
+from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -64,26 +64,15 @@ def _moe_gemm_kernel(
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_bm = tl.arange(0, BLOCK_M)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    mask_n = offs_n < N
-    # PDL: the up GEMM waits first (the kernel before it wrote its routing); the down GEMM reads
-    # its routing, written two launches back, and (PDL_PREFETCH) prefetches its first weight
-    # tiles into L2 before it waits for the up GEMM; both let the next kernel start after the K loop (pdl.py)
-    if GATED:
-        pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)  # PDL: before anything is read; the next kernel may start after the K loop (pdl.py)
     if ROUTE == "batched":
         expert = (pid_m // blocks_per_expert).to(tl.int64)
         first_row = (pid_m % blocks_per_expert) * BLOCK_M
         num_rows = tl.load(expert_num_tokens_ptr + expert)
-        if not GATED:
-            if PDL_PREFETCH:
-                prefetch_expert_l2(w_ptr, tl.where(first_row < num_rows, expert, -1), offs_n, N, K, stride_we,
-                                   stride_wn, stride_wk, BLOCK_K)
-            pdl_wait(USE_PDL)
         if first_row >= num_rows:
             return
         rows = (first_row + offs_bm).to(tl.int64)  # [BM]
@@ -98,22 +87,6 @@ def _moe_gemm_kernel(
             mask_m = offs_bm == 0
             expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, num_local_experts,
                                   HAS_MAP)
-            if not GATED:
-                if PDL_PREFETCH:
-                    prefetch_expert_l2(w_ptr, expert, offs_n, N, K, stride_we, stride_wn, stride_wk, BLOCK_K)
-                pdl_wait(USE_PDL)
-        elif USE_PDL and not GATED:  # the sorted route's loads, all before the wait
-            in_use = pid_m * BLOCK_M < tl.load(num_post_padded_ptr)
-            slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + offs_bm, mask=in_use,
-                            other=num_slots).to(tl.int64)  # [BM]
-            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-            if PDL_PREFETCH:
-                prefetch_expert_l2(w_ptr, tl.where(in_use, expert, -1), offs_n, N, K, stride_we, stride_wn, stride_wk,
-                                   BLOCK_K)
-            pdl_wait(USE_PDL)
-            if not in_use:
-                return
-            mask_m = slots < num_slots
         else:
             if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
                 return
@@ -124,6 +97,8 @@ def _moe_gemm_kernel(
         out_rows = slots * stride_om
         scale_rows = (slots // a_row_div) * stride_asm
         out_scale_rows = slots * stride_osm
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    mask_n = offs_n < N
     out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on  # [BM, BN]
     mask_out = mask_m[:, None] & mask_n[None, :]
     if expert < 0:  # remote (expert_map) or, direct, an out-of-range id or map entry: the slots contribute exactly zero
@@ -270,9 +245,6 @@ def invoke_moe_gemm(
     w_desc = None if mul and gate_up_interleaved else weight_descriptor(w, config)
     act_alpha, act_limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
     grid = (num_pid_m * cdiv(n, config.block_n),)
-    pdl, sargs = pdl_args(), scale_args(scales, a, w, config)
-    # the down GEMM prefetches its first weight tiles while it waits (pointer loads of unpacked weights)
-    prefetch = prefetch_weights(pdl) and not gated and w_desc is None and sargs["QUANT"] in ("none", "scaled", "block")
     kwargs = dict(
         a_ptr=a, w_ptr=w, out_ptr=out, W_DESC=w_desc is not None,
         UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, mul),
@@ -290,7 +262,7 @@ def invoke_moe_gemm(
         act_alpha=act_alpha, act_limit=act_limit, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **route, **sargs, **pdl, PDL_PREFETCH=prefetch,
+        **route, **scale_args(scales, a, w, config), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned
         launch(_moe_gemm_kernel, grid, **{**kwargs, "w_ptr": w_desc})
