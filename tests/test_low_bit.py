@@ -256,6 +256,45 @@ def test_low_bit_model_shapes_and_graph_replay(scheme):
         assert torch.equal(out, kernel(x, q1, q2, weights, ids, **opts))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["int4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_asm_unpack_every_code(scheme, dtype):
+    """sm_90: the PTX unpacking (``dequant.packed_values``) on random bytes (all 256 occur in
+    every expert) in both 16-bit activation dtypes, on forced tiles that take it, against the
+    reference on the dequantized weights: any wrong code value or lane order fails."""
+    from tmoe.kernels.gemm_args import WeightScales, asm_unpack
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the PTX unpacking needs sm_90")
+    e, n, k, topk, group = 4, 192, 512, 2, 32
+    g = torch.Generator(device="cuda").manual_seed(3)
+    codes = lambda rows, cols: torch.randint(0, 256, (e, rows, cols // 2), device="cuda", generator=g,  # noqa: E731
+                                             dtype=torch.uint8)
+    q1, q2 = codes(2 * n, k), codes(k, n)
+    if scheme == "int4":
+        s1 = torch.rand(e, 2 * n, k // group, device="cuda", generator=g).to(dtype) / (8 * k**0.5)
+        s2 = torch.rand(e, k, n // group, device="cuda", generator=g).to(dtype) / (8 * n**0.5)
+        d1, d2 = (dequantize_int_reference(q, s, None, group, 4) for q, s in ((q1, s1), (q2, s2)))
+    else:
+        s1 = torch.randint(120, 124, (e, 2 * n, k // group), device="cuda", generator=g, dtype=torch.uint8)
+        s2 = torch.randint(120, 124, (e, k, n // group), device="cuda", generator=g, dtype=torch.uint8)
+        d1, d2 = (dequantize_mxfp4_reference(q, s) for q, s in ((q1, s1), (q2, s2)))
+    x = torch.randn(64, k, device="cuda", dtype=dtype)
+    cfg = tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=group)
+    for block_k in (group, 4 * group):  # one group per K step; four (bf16 mxfp4: scaled in the PTX)
+        tiles = tmoe.GemmConfig(16, 64, block_k, num_warps=4, num_stages=2)
+        assert asm_unpack(WeightScales(scheme, s1, None, group), x, tiles, tiles.block_n)
+        for m in (1, 64):
+            weights, ids = torch.topk(torch.randn(m, e, device="cuda", generator=g).softmax(-1), topk)
+            for route in ("sorted", "direct"):
+                with tmoe.override_config(tmoe.MoEConfig(tiles, tiles, tiles)), tmoe.override_route(route):
+                    out = tmoe.fused_experts(x[:m], q1, q2, weights, ids, quant_config=cfg, w1_scale=s1,
+                                             w2_scale=s2)
+                ref = moe_reference(x[:m], d1, d2, weights, ids)
+                assert_close(out, ref, dtype, name=f"{scheme} {dtype} block_k={block_k} M={m} {route}")
+
+
 def _gpt_oss_checkpoint(e: int, h: int, i: int):
     """Random mxfp4 experts in transformers' GPT-OSS checkpoint layout: gate_up blocks
     (E, 2I, H / 32, 16), scales (E, 2I, H / 32), down (E, H, I / 32, 16) and (E, H, I / 32),

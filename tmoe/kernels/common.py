@@ -119,6 +119,7 @@ def moe_tile_matmul(
     HAS_ZP: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    ASM_UNPACK: tl.constexpr,
 ):
     """float32 [BM, BN] = A[rows, :K] @ B[:K, cols], dequantized.
 
@@ -148,7 +149,7 @@ def moe_tile_matmul(
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         else:  # low-bit weights
             acc = dequant_dot(a, b, acc, b_scale_ptrs, zp_ptrs, zp_shift, k * BLOCK_K, K, stride_bsk, stride_zpk,
-                              mask_n, BLOCK_K, GROUP_K, QUANT, HAS_ZP, PRECISION)  # [BM, BN]
+                              mask_n, BLOCK_K, GROUP_K, QUANT, HAS_ZP, PRECISION, ASM_UNPACK)  # [BM, BN]
         a_ptrs += BLOCK_K * stride_ak
         if QUANT == "int4" or QUANT == "mxfp4":
             b_ptrs += (BLOCK_K // 2) * stride_bk

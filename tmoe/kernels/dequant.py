@@ -11,9 +11,48 @@ product. bf16/fp16 steps take int4 codes as OFFSET + q in the activation dtype (
 leaves the float32 product with the zero point) and e2m1 values directly; the other steps (float32
 activations, int8) build float32 values from 2^23 + q (q - zp, exact in the activation dtype) or
 from the e2m1 bits. BLOCK_K > GROUP_K: the step's groups are loaded once, each value is scaled in
-float32, then rounded to the activation dtype for the dot."""
+float32, then rounded to the activation dtype for the dot.
+
+ASM_UNPACK (an sm_90 GPU, never the interpreter, which cannot run PTX): the bf16/fp16 4-bit steps
+build their values with PTX on four packed bytes at a time, each 32-bit operation making two
+values (Marlin's trick): ``prmt`` spreads two bytes into the 16-bit lanes, one ``lop3`` makes
+OFFSET + q (int4), and e2m1 is placed into the lanes as a subnormal-aware 16-bit pattern times an
+exact power of two (bf16: e2m1 * 2^-126, times 2^126; fp16: e2m1 * 2^-14, times 2^14). About one
+instruction per int4 value and three per e2m1 value instead of four and eleven."""
 import triton
 import triton.language as tl
+
+
+def _unpack_asm(quant: str, dtype: str, scaled: bool = False) -> str:
+    """PTX of ``packed_values`` for pack=4: $4 holds bytes b0..b3; $0/$1 the low-nibble values of
+    (b0, b1)/(b2, b3), $2/$3 the high-nibble ones, first element in the low 16 bits. ``scaled``
+    (e2m1, bf16): each pair times its bf16 scales, $5 (b0, b1) and $6 (b2, b3)."""
+    lines = ["{", ".reg .b32 t0, t1, z, v, s, c, s01, s23;", "mov.b32 z, 0;",
+             *(["mov.b32 s01, $5;", "mov.b32 s23, $6;"] if scaled else []),  # read before any output is written
+             "prmt.b32 t0, $4, z, 0x4140;", "prmt.b32 t1, $4, z, 0x4342;"]  # bytes (b0, 0, b1, 0), (b2, 0, b3, 0)
+    if quant == "int4":
+        lines.append(f"mov.b32 c, {'0x43004300' if dtype == 'bf16' else '0x64006400'};")  # 128.0 / 1024.0
+        for out, src, shift in (("$0", "t0", 0), ("$1", "t1", 0), ("$2", "t0", 4), ("$3", "t1", 4)):
+            if shift:
+                lines.append(f"shr.b32 {src}, {src}, {shift};")
+            lines.append(f"lop3.b32 {out}, {src}, 0x000F000F, c, 0xEA;")  # (src & mask) | c
+    else:  # e2m1: magnitude bits 2-0 to the 16-bit lane's low exponent and top mantissa bits, sign bit 3 to 15
+        mag_shift, mask, scale, mul = ((6, "0x01C001C0", "0x7E807E80", "mul.rn.bf16x2") if dtype == "bf16"
+                                       else (9, "0x0E000E00", "0x74007400", "mul.rn.f16x2"))
+        lines.append(f"mov.b32 c, {scale};")  # 2^126 (bf16) or 2^14 (fp16) in both lanes
+        for out, src, nibble in (("$0", "t0", 0), ("$1", "t1", 0), ("$2", "t0", 4), ("$3", "t1", 4)):
+            lines += [f"shl.b32 v, {src}, {mag_shift - nibble};", f"shl.b32 s, {src}, {12 - nibble};",
+                      f"and.b32 v, v, {mask};", "lop3.b32 v, s, 0x80008000, v, 0xEA;", f"{mul} {out}, v, c;"]
+            if scaled:
+                lines.append(f"{mul} {out}, {out}, {'s01' if src == 't0' else 's23'};")
+    return "\n".join(lines + ["}"])
+
+
+_INT4_BF16 = tl.constexpr(_unpack_asm("int4", "bf16"))
+_INT4_FP16 = tl.constexpr(_unpack_asm("int4", "fp16"))
+_MXFP4_BF16 = tl.constexpr(_unpack_asm("mxfp4", "bf16"))
+_MXFP4_FP16 = tl.constexpr(_unpack_asm("mxfp4", "fp16"))
+_MXFP4_BF16_SCALED = tl.constexpr(_unpack_asm("mxfp4", "bf16", scaled=True))
 
 
 @triton.jit
@@ -96,6 +135,31 @@ def code_values(q, QUANT: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def packed_values(q, QUANT: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """(low-nibble, high-nibble) DTYPE values (``code_values``; bfloat16 or float16) of packed
+    4-bit codes q [R, C] uint8: ASM with PTX four bytes at a time, else with int32 operations."""
+    if ASM and DTYPE == tl.bfloat16:
+        lo, hi = tl.inline_asm_elementwise(_INT4_BF16 if QUANT == "int4" else _MXFP4_BF16, "=r,=r,=r,=r,r", [q],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    elif ASM:
+        lo, hi = tl.inline_asm_elementwise(_INT4_FP16 if QUANT == "int4" else _MXFP4_FP16, "=r,=r,=r,=r,r", [q],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        q = q.to(tl.int32)
+        lo = code_values(q & 0xF, QUANT, DTYPE)
+        hi = code_values(q >> 4, QUANT, DTYPE)
+    return lo, hi
+
+
+@triton.jit
+def scaled_e2m1_values(q, s):
+    """(low-nibble, high-nibble) bfloat16 values e2m1 * s of packed e2m1 codes q [R, C] uint8,
+    s [R, C] bfloat16 powers of two (exact), by PTX (sm_90)."""
+    return tl.inline_asm_elementwise(_MXFP4_BF16_SCALED, "=r,=r,=r,=r,r,r,r", [q, s],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
 def code_offset(DTYPE: tl.constexpr):
     """The OFFSET of ``code_values``' integer codes in DTYPE."""
     if DTYPE == tl.float32:
@@ -127,31 +191,30 @@ def _repeat_rows(x, ROWS: tl.constexpr):
 @triton.jit
 def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_zpk, mask_n,
                 BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, ASM_UNPACK: tl.constexpr):
     """acc + a @ dequant(q) in float32 for the K step at ``k0``: a [BM, BK], q [BK/2, BN] packed
-    bytes (4-bit) or [BK, BN] (int8), ``s_ptrs``/``zp_ptrs``/``zp_shift``/``mask_n`` [BN] of the
-    tile's columns."""
+    bytes (4-bit) or [BK, BN] (int8), uint8; ``s_ptrs``/``zp_ptrs``/``zp_shift``/``mask_n`` [BN] of
+    the tile's columns; ASM_UNPACK: ``packed_values`` by PTX (bf16/fp16 4-bit steps)."""
     PACKED: tl.constexpr = QUANT == "int4" or QUANT == "mxfp4"
     BLOCK_M: tl.constexpr = a.shape[0]
-    q = q.to(tl.int32)
     if PACKED:
         a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # [BM, BK/2] each
-        lo = q & 0xF  # [BK/2, BN]: k = 2j
-        hi = q >> 4  # k = 2j + 1
     if BLOCK_K <= GROUP_K:
         s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], k0 // GROUP_K, stride_sk,
                               stride_zpk, mask_n[None, :], QUANT, HAS_ZP)  # [1, BN]
         if PACKED and a.dtype != tl.float32:  # values in a.dtype straight from the bits
-            part = tl.dot(a_even, code_values(lo, QUANT, a.dtype), input_precision=PRECISION)
-            part = tl.dot(a_odd, code_values(hi, QUANT, a.dtype), part, input_precision=PRECISION)  # [BM, BN]
+            lo, hi = packed_values(q, QUANT, a.dtype, ASM_UNPACK)  # [BK/2, BN]: k = 2j, 2j + 1
+            part = tl.dot(a_even, lo, input_precision=PRECISION)
+            part = tl.dot(a_odd, hi, part, input_precision=PRECISION)  # [BM, BN]
             if QUANT == "int4":  # the OFFSET of each code: sum_k a_k (OFFSET + zp)
                 row_sum = tl.sum(a.to(tl.float32), axis=1)  # [BM]
                 part -= row_sum[:, None] * (zp.to(tl.float32) + code_offset(a.dtype))
         elif PACKED:
-            part = tl.dot(a_even, _step_values(lo, zp, 1.0, QUANT), input_precision=PRECISION)
-            part = tl.dot(a_odd, _step_values(hi, zp, 1.0, QUANT), part, input_precision=PRECISION)
+            q = q.to(tl.int32)
+            part = tl.dot(a_even, _step_values(q & 0xF, zp, 1.0, QUANT), input_precision=PRECISION)
+            part = tl.dot(a_odd, _step_values(q >> 4, zp, 1.0, QUANT), part, input_precision=PRECISION)
         else:
-            part = tl.dot(a, _step_values(q, zp, 1.0, QUANT).to(a.dtype), input_precision=PRECISION)
+            part = tl.dot(a, _step_values(q.to(tl.int32), zp, 1.0, QUANT).to(a.dtype), input_precision=PRECISION)
         acc += part * s
     else:  # the step's NG groups loaded once, each repeated over its rows of q
         NG: tl.constexpr = BLOCK_K // GROUP_K
@@ -162,9 +225,14 @@ def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_z
                               stride_zpk, mask, QUANT, HAS_ZP)  # [NG, BN]
         s = _repeat_rows(s, ROWS)  # [ROWS, BN]
         zp = _repeat_rows(zp, ROWS)
-        if PACKED:
-            acc = tl.dot(a_even, _step_values(lo, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
-            acc = tl.dot(a_odd, _step_values(hi, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
+        if ASM_UNPACK and QUANT == "mxfp4" and a.dtype == tl.bfloat16:  # powers of two: exact in bf16
+            lo, hi = scaled_e2m1_values(q, s.to(tl.bfloat16))  # [BK/2, BN] each
+            acc = tl.dot(a_even, lo, acc, input_precision=PRECISION)
+            acc = tl.dot(a_odd, hi, acc, input_precision=PRECISION)
+        elif PACKED:
+            q = q.to(tl.int32)
+            acc = tl.dot(a_even, _step_values(q & 0xF, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(a_odd, _step_values(q >> 4, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
         else:
-            acc = tl.dot(a, _step_values(q, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(a, _step_values(q.to(tl.int32), zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
     return acc

@@ -12,6 +12,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv
+from tmoe.kernels.interpreter import INTERPRETED
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,31 @@ def fit_low_bit(config: GemmConfig, scales: Scales | WeightScales | None) -> Gem
     return replace(config, tma=False)
 
 
-def scale_args(scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> dict:
+@functools.cache
+def _sm90(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def asm_unpack(scales: Scales | WeightScales | None, a: torch.Tensor, config: GemmConfig, tile_n: int) -> bool:
+    """Whether the kernel unpacks 4-bit codes with PTX (``dequant.packed_values``): bf16/fp16
+    activations on an sm_90+ NVIDIA GPU (not the interpreter), and a [block_k / 2, tile_n] code tile
+    of at least four bytes per thread (the PTX takes four at a time)."""
+    if not isinstance(scales, WeightScales) or scales.weight_dtype == "int8" or a.dtype == torch.float32:
+        return False
+    if INTERPRETED or a.device.type != "cuda" or (config.block_k // 2) * tile_n < 4 * 32 * config.num_warps:
+        return False
+    return _sm90(a.device.index if a.device.index is not None else torch.cuda.current_device())
+
+
+def scale_args(
+    scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig, tile_n: int
+) -> dict:
+    """Launch arguments of the scales (and ``ASM_UNPACK``) of a GEMM whose B tile is
+    [block_k, tile_n] weight columns."""
+    return {**_scale_args(scales, a, w, config), "ASM_UNPACK": asm_unpack(scales, a, config, tile_n)}
+
+
+def _scale_args(scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> dict:
     if isinstance(scales, WeightScales):
         return _weight_scale_args(scales, a, w)
     if scales is None:  # the kernel reads no scale: w stands in for the pointers

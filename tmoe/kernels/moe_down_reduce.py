@@ -47,7 +47,7 @@ def _moe_down_reduce_kernel(
     TOPK: tl.constexpr, TOPK_P2: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr, APPLY_WEIGHTS: tl.constexpr, HAS_MAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_ZP: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -97,7 +97,7 @@ def _moe_down_reduce_kernel(
                                w_scale_ptr + safe_expert * stride_wse + offs_n * stride_wsn,
                                w_zp_ptr + safe_expert * stride_zpe + zp_rows * stride_zpn, zp_shift, k0, K,
                                stride_wsk, stride_zpk, mask_n & computed, BLOCK_K, GROUP_K, QUANT, HAS_ZP,
-                               PRECISION)  # [BM, BN]
+                               PRECISION, ASM_UNPACK)  # [BM, BN]
             acc += part * scale
         else:
             part = tl.dot(a, b, input_precision=PRECISION)  # [BM, BN]
@@ -156,7 +156,7 @@ def moe_down_reduce(
         return out
     config = fit_shared_memory(config, a.element_size(), gated=False, budget=shared_memory_budget(a.device))
     config = fit_low_bit(config, scales)
-    sargs = scale_args(scales, a, w, config)
+    sargs = scale_args(scales, a, w, config, config.block_n)
     sargs.pop("stride_ase")
     grid = (m * cdiv(n_out, config.block_n),)
     return Launch(_moe_down_reduce_kernel, grid, dict(

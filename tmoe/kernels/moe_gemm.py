@@ -63,7 +63,7 @@ def _moe_gemm_kernel(
     QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr,
+    W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -134,7 +134,7 @@ def _moe_gemm_kernel(
             w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
             w_zp_ptr + expert * stride_zpe + zp_rows * stride_zpn, zp_shift,
             K, stride_ak, stride_wk, stride_ask, stride_wsk, stride_zpk,
-            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION,
+            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION, ASM_UNPACK,
         )  # [BM, BN] float32, [BM, 2BN] when MUL
         if MUL:
             acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -262,7 +262,7 @@ def invoke_moe_gemm(
         act_alpha=act_alpha, act_limit=act_limit, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
-        **route, **scale_args(scales, a, w, config), **pdl_args(),
+        **route, **scale_args(scales, a, w, config, config.block_n * (1 + mul)), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned
         launch(_moe_gemm_kernel, grid, **{**kwargs, "w_ptr": w_desc})
