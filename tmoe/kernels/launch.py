@@ -80,7 +80,7 @@ def _compile(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> _
 
 _tables: dict[int, dict[tuple, _Compiled | None]] = {}  # id(kernel) -> signature -> compiled
 _plan_tables: list[dict] = []  # each @planned launcher's plans (tmoe.kernels.plan)
-_local = threading.local()  # .cursor: the active LaunchSequence's cursor (plan.py); .recorder: a recording CallReplay's (replay.py)
+_local = threading.local()  # .cursor: the active LaunchSequence's (plan.py); .recorder: a recording CallReplay's (replay.py)
 
 
 _generation = [0]  # bumped by clear_launch_caches: recorded launch sequences are recorded again

@@ -4,10 +4,10 @@ signature records them once and later calls only launch them again with their ow
 ``CallReplay.run(inputs, body)``: the first call of a signature runs ``body`` plainly; the second
 runs it while recording every launch (``tmoe.kernels.launch`` and ``tmoe.kernels.plan`` report
 each one) and every torch operation (a ``TorchDispatchMode``); from the third on, when the
-recording is sound, the launches are replayed without running ``body``. A recording is sound when the call's device work was Triton
-launches only (torch operations other than allocations and views refuse it: a copy or a fill
-would be skipped by a replay), and every tensor a launch read is one of three kinds, told apart by
-its storage:
+recording is sound, the launches are replayed without running ``body``. A recording is sound
+when the call's device work was Triton launches only (torch operations other than allocations and
+views refuse it: a copy or a fill would be skipped by a replay), and every tensor a launch read is
+one of three kinds, told apart by its storage:
 
 - a view into one of the call's ``inputs`` (the layer arguments and the output): replayed at the
   same byte offset from that input's address;
