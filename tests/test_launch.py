@@ -1,12 +1,14 @@
 """``tmoe.kernels.launch.launch``: the direct call of a compiled kernel after the first launch of
-an argument signature. On CPU the GPU branch is driven with a fake kernel; on a GPU the layer's
-launches are checked to take it, with results equal to the reference."""
+an argument signature; ``tmoe.kernels.plan``: planned launchers and launch sequences. On CPU the
+GPU branch is driven with a fake kernel; on a GPU the layer's launches are checked to take it,
+with results equal to the reference."""
 import pytest
 import torch
 
 import tmoe
 from tmoe.config import override_route
 from tmoe.kernels import launch as launch_mod
+from tmoe.kernels import plan as plan_mod
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 
@@ -91,12 +93,12 @@ def test_a_launch_hook_keeps_tritons_path(gpu_branch):
 
 
 def _planned_launcher(kernel, bodies):
-    @launch_mod.planned
+    @plan_mod.planned
     def launcher(a, b, n, *, derived=False):
         bodies.append(n)
         if n == 0:
             return b
-        return launch_mod.Launch(kernel, (2,), dict(a_ptr=a * 2 if derived else a, b_ptr=b, n=n, BLOCK=16), b)
+        return plan_mod.Launch(kernel, (2,), dict(a_ptr=a * 2 if derived else a, b_ptr=b, n=n, BLOCK=16), b)
     return launcher
 
 
@@ -153,13 +155,13 @@ def test_layer_launches_take_the_direct_call_and_stay_exact(route):
 
 def _counting_static(monkeypatch):
     calls = []
-    real = launch_mod._static
+    real = plan_mod._static
 
     def static(v):
         calls.append(1)
         return real(v)
 
-    monkeypatch.setattr(launch_mod, "_static", static)
+    monkeypatch.setattr(plan_mod, "_static", static)
     return calls
 
 
@@ -201,7 +203,7 @@ def test_launch_sequence_mismatch_falls_back_to_keys(gpu_branch):
     kernel, bodies = FakeKernel(), []
     first, second = _planned_launcher(kernel, bodies), _planned_launcher(kernel, bodies)
     a, b = torch.zeros(8), torch.zeros(8)
-    seq = launch_mod.LaunchSequence()
+    seq = plan_mod.LaunchSequence()
     with seq.active():
         first(a, b, 3)
     assert seq.recorded and seq.valid

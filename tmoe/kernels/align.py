@@ -15,8 +15,9 @@ import triton.language as tl
 from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import Launch, launch, planned
+from tmoe.kernels.launch import launch
 from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from tmoe.kernels.plan import Launch, planned
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots

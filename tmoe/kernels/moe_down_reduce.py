@@ -19,8 +19,8 @@ from tmoe.kernels.gemm_args import (
     Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import Launch, planned
 from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from tmoe.kernels.plan import Launch, planned
 
 
 @triton.jit

@@ -26,8 +26,9 @@ from tmoe.kernels.gemm_args import (
     uniform_w_scale, weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import Launch, launch, planned
+from tmoe.kernels.launch import launch
 from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from tmoe.kernels.plan import Launch, planned
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -207,7 +208,7 @@ def invoke_moe_gemm(
     row 2j gate j, row 2j + 1 up j; else gate rows then up rows), (E, N, K) for a *_no_mul one;
     ``swiglu_alpha``/``swiglu_limit`` are runtime floats (see ``activation_params``), so a new
     value compiles nothing. ``scales`` a ``WeightScales``: ``w`` holds low-bit codes, dequantized
-    in the K loop. Shapes were checked by the caller. Planned (``tmoe.kernels.launch.planned``):
+    in the K loop. Shapes were checked by the caller. Planned (``tmoe.kernels.plan.planned``):
     the body runs once per static signature of the arguments."""
     mul = gated and w1_rows_per_n(activation) == 2
     n = w.shape[1] // 2 if mul else w.shape[1]

@@ -2,12 +2,12 @@
 signature records them once and later calls only launch them again with their own tensors.
 
 ``CallReplay.run(inputs, body)``: the first call of a signature runs ``body`` plainly; the second
-runs it while recording every launch (``tmoe.kernels.launch`` reports each one) and every torch
-operation (a ``TorchDispatchMode``); from the third on, when the recording is sound, the launches
-are replayed without running ``body``. A recording is sound when the call's device work was Triton
-launches only (torch operations other than allocations and views refuse it: a copy or a fill
-would be skipped by a replay), and every tensor a launch read is one of three kinds, told apart by
-its storage:
+runs it while recording every launch (``tmoe.kernels.launch`` and ``tmoe.kernels.plan`` report
+each one) and every torch operation (a ``TorchDispatchMode``); from the third on, when the
+recording is sound, the launches are replayed without running ``body``. A recording is sound
+when the call's device work was Triton launches only (torch operations other than allocations and
+views refuse it: a copy or a fill would be skipped by a replay), and every tensor a launch read is
+one of three kinds, told apart by its storage:
 
 - a view into one of the call's ``inputs`` (the layer arguments and the output): replayed at the
   same byte offset from that input's address;
@@ -68,7 +68,7 @@ class _Launched:
 
 
 class _Recorder:
-    """The launches of one recorded call, in order (``tmoe.kernels.launch`` calls ``launching``)."""
+    """The launches of one recorded call, in order (``launch`` and planned launchers call ``launching``)."""
 
     def __init__(self) -> None:
         self.launches: list[_Launched] = []
