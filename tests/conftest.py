@@ -56,10 +56,10 @@ def device():
     return DEVICE
 
 
-@pytest.fixture(params=["sorted", "direct"])
+@pytest.fixture(params=["sorted", "direct", "slots"])
 def route(request):
-    """Run the test under both Standard-format paths: aligned, and decode (no align, the down
-    GEMM sums each token's slots); M alone would pick one of them."""
+    """Run the test under each Standard-format path: aligned, decode (no align, the down GEMM
+    sums each token's slots) and slots (no align, both GEMMs per slot); M alone would pick one."""
     from tmoe.config import override_route
 
     with override_route(request.param):

@@ -93,16 +93,22 @@ def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str |
 # program per token, streams weights slower than the aligned one), so it is opt-in
 # through override_route("direct") until its down GEMM is faster.
 DIRECT_MAX_SLOTS = 0
+# M * topk at or below which the aligned path skips its align stage ("slots": one row block per
+# slot in both GEMMs, each slot's output written, the top-k reduce as on the aligned path).
+SLOT_ROUTE_MAX_SLOTS = 0
+ROUTES = ("sorted", "direct", "slots")
 
 _ROUTE_OVERRIDE: list[str] = []
 
 
 @contextlib.contextmanager
 def override_route(route: str) -> Iterator[None]:
-    """Force the decode path ("direct") or the aligned path ("sorted") for every Standard-format
-    layer call inside the block (tests, benchmarks)."""
-    if route not in ("direct", "sorted"):
-        raise ValueError(f"route must be 'direct' or 'sorted', got {route!r}")
+    """Force a Standard-format path for every layer call inside the block (tests, benchmarks):
+    "sorted" (align, then the GEMMs over expert-sorted row blocks), "direct" (the decode path:
+    no align, one row block per slot, the down GEMM sums each token's slots) or "slots" (no
+    align, one row block per slot in both GEMMs, then the top-k reduce)."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     _ROUTE_OVERRIDE.append(route)
     try:
         yield
@@ -121,6 +127,14 @@ def use_direct_route(m: int, topk: int) -> bool:
     if _ROUTE_OVERRIDE:
         return _ROUTE_OVERRIDE[-1] == "direct"
     return m * topk <= DIRECT_MAX_SLOTS
+
+
+def use_slot_route(m: int, topk: int) -> bool:
+    """Whether a layer call of ``m`` tokens that does not take the decode path skips the align
+    stage (one row block per slot in both GEMMs)."""
+    if _ROUTE_OVERRIDE:
+        return _ROUTE_OVERRIDE[-1] == "slots"
+    return m * topk <= SLOT_ROUTE_MAX_SLOTS
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,7 +6,7 @@ from dataclasses import replace
 import torch
 
 from tmoe.kernels.checks import positive_int
-from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route
+from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route, use_slot_route
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.common import w1_rows_per_n
 from tmoe.kernels.gemm_args import DirectRouting, Routing, Scales, WeightScales
@@ -67,8 +67,9 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
 
 class TritonExperts(_TritonExpertsBase):
     """Standard format: align, fused up/gate GEMM with the activation, down GEMM; writes each
-    slot's expert output to ``output`` (M, topk, K). Decode (``reduces_topk``; ``output`` is
-    (M, K)): no align, one row block per slot, and the down GEMM writes the weighted top-k sum."""
+    slot's expert output to ``output`` (M, topk, K) (``use_slot_route``: no align, one row block
+    per slot in both GEMMs). Decode (``reduces_topk``; ``output`` is (M, K)): no align, one row
+    block per slot, and the down GEMM writes the weighted top-k sum."""
 
     kind = "triton"
 
@@ -104,6 +105,18 @@ class TritonExperts(_TritonExpertsBase):
             moe_down_reduce(a2q, w2, output, topk_ids, global_num_experts, down_cfg,
                             topk_weights=None if apply_router_weight_on_input else topk_weights,
                             expert_map=expert_map, scales=self._scales(a2q_scale, w2_scale, w2_zp), bias=w2_bias)
+            return
+        if use_slot_route(m, topk):  # no align: slot s is row block s of both GEMMs
+            a2q, a2q_scale = self._up(
+                hidden_states, w1, (m * topk, n), workspace2, replace(cfg.up, block_m=16), a1q_scale, w1_scale,
+                a2_scale, w1_zp, activation=activation, topk_weights=weights, bias=w1_bias,
+                routing=DirectRouting(topk_ids, global_num_experts, expert_map, topk), **act_options,
+            )
+            invoke_moe_gemm(
+                a2q, w2, output.view(m * topk, k), replace(cfg.down, block_m=16), gated=False,
+                routing=DirectRouting(topk_ids, global_num_experts, expert_map, 1),
+                scales=self._scales(a2q_scale, w2_scale, w2_zp), bias=w2_bias,
+            )
             return
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
             topk_ids, cfg.block_m, global_num_experts, expert_map, num_local_experts=w1.shape[0]

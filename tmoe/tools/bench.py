@@ -35,7 +35,7 @@ Measurement = float | str  # microseconds, or why there is none
 DTYPES = ("bf16", "fp8_block", "fp8_token", *LOW_BIT_DTYPES)
 DEFAULT_MS = (1, 8, 64, 256, 1024, 4096, 16384)
 QUICK_MS = (1, 64, 1024)
-ROUTES = ("auto", "sorted", "direct")
+ROUTES = ("auto", "sorted", "direct", "slots")
 PROVIDERS = ("tmoe", "grouped_mm", "scaled_grouped_mm", "loop")  # bf16 runs skip the fp8 peer, fp8 runs the bf16 ones
 
 
@@ -286,8 +286,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="minimum timed graph rounds")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (ms)")
     p.add_argument("--routes", default="auto",
-                   help="comma list of auto,sorted,direct: tmoe by token count, or forced to its aligned or "
-                        "decode path (rows tmoe[sorted], tmoe[direct])")
+                   help="comma list of auto,sorted,direct,slots: tmoe by token count, or forced to its aligned, "
+                        "decode or per-slot path (rows tmoe[sorted], tmoe[direct], tmoe[slots])")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
     shapes, names = args.shapes.split(","), tuple(args.providers.split(","))
