@@ -11,7 +11,10 @@ product. bf16/fp16 steps take int4 codes as OFFSET + q in the activation dtype (
 leaves the float32 product with the zero point) and e2m1 values directly; the other steps (float32
 activations, int8) build float32 values from 2^23 + q (q - zp, exact in the activation dtype) or
 from the e2m1 bits. BLOCK_K > GROUP_K: the step's groups are loaded once, each value is scaled in
-float32, then rounded to the activation dtype for the dot."""
+float32, then rounded to the activation dtype for the dot.
+
+SWAP_AB: the same values and scales, each dot taken transposed (``oriented_dot``), so the
+accumulator is [BN, BM] and per-column factors of B ([1, BN]) apply as [BN, 1] (``per_column``)."""
 import triton
 import triton.language as tl
 
@@ -117,6 +120,25 @@ def _step_values(q, zp, s, QUANT: tl.constexpr):
 
 
 @triton.jit
+def oriented_dot(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x @ w for x [BM, BK], w [BK, BN]: [BM, BN]; SWAP_AB: acc + w^T @ x^T, [BN, BM] (the
+    weights are the MMA's LHS). ``acc`` None: no addend."""
+    if SWAP_AB:
+        out = tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=PRECISION)  # [BN, BM]
+    else:
+        out = tl.dot(x, w, acc, input_precision=PRECISION)  # [BM, BN]
+    return out
+
+
+@triton.jit
+def per_column(v, SWAP_AB: tl.constexpr):
+    """A [1, BN] factor of B's columns shaped for the accumulator: [BN, 1] when SWAP_AB."""
+    if SWAP_AB:
+        v = tl.trans(v)
+    return v
+
+
+@triton.jit
 def _repeat_rows(x, ROWS: tl.constexpr):
     """[NG, BN] -> [ROWS, BN]: row i of x repeated over rows [i * ROWS / NG, (i + 1) * ROWS / NG)."""
     NG: tl.constexpr = x.shape[0]
@@ -127,10 +149,10 @@ def _repeat_rows(x, ROWS: tl.constexpr):
 @triton.jit
 def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_zpk, mask_n,
                 BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + a @ dequant(q) in float32 for the K step at ``k0``: a [BM, BK], q [BK/2, BN] packed
     bytes (4-bit) or [BK, BN] (int8), ``s_ptrs``/``zp_ptrs``/``zp_shift``/``mask_n`` [BN] of the
-    tile's columns."""
+    tile's columns; acc [BM, BN], SWAP_AB: acc [BN, BM] + dequant(q)^T @ a^T."""
     PACKED: tl.constexpr = QUANT == "int4" or QUANT == "mxfp4"
     BLOCK_M: tl.constexpr = a.shape[0]
     q = q.to(tl.int32)
@@ -142,17 +164,21 @@ def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_z
         s, zp = group_dequant(s_ptrs[None, :], zp_ptrs[None, :], zp_shift[None, :], k0 // GROUP_K, stride_sk,
                               stride_zpk, mask_n[None, :], QUANT, HAS_ZP)  # [1, BN]
         if PACKED and a.dtype != tl.float32:  # values in a.dtype straight from the bits
-            part = tl.dot(a_even, code_values(lo, QUANT, a.dtype), input_precision=PRECISION)
-            part = tl.dot(a_odd, code_values(hi, QUANT, a.dtype), part, input_precision=PRECISION)  # [BM, BN]
+            part = oriented_dot(a_even, code_values(lo, QUANT, a.dtype), None, SWAP_AB, PRECISION)
+            part = oriented_dot(a_odd, code_values(hi, QUANT, a.dtype), part, SWAP_AB, PRECISION)  # [BM, BN] ([BN, BM])
             if QUANT == "int4":  # the OFFSET of each code: sum_k a_k (OFFSET + zp)
                 row_sum = tl.sum(a.to(tl.float32), axis=1)  # [BM]
-                part -= row_sum[:, None] * (zp.to(tl.float32) + code_offset(a.dtype))
+                offset = per_column(zp.to(tl.float32) + code_offset(a.dtype), SWAP_AB)
+                if SWAP_AB:
+                    part -= offset * row_sum[None, :]
+                else:
+                    part -= row_sum[:, None] * offset
         elif PACKED:
-            part = tl.dot(a_even, _step_values(lo, zp, 1.0, QUANT), input_precision=PRECISION)
-            part = tl.dot(a_odd, _step_values(hi, zp, 1.0, QUANT), part, input_precision=PRECISION)
+            part = oriented_dot(a_even, _step_values(lo, zp, 1.0, QUANT), None, SWAP_AB, PRECISION)
+            part = oriented_dot(a_odd, _step_values(hi, zp, 1.0, QUANT), part, SWAP_AB, PRECISION)
         else:
-            part = tl.dot(a, _step_values(q, zp, 1.0, QUANT).to(a.dtype), input_precision=PRECISION)
-        acc += part * s
+            part = oriented_dot(a, _step_values(q, zp, 1.0, QUANT).to(a.dtype), None, SWAP_AB, PRECISION)
+        acc += part * per_column(s, SWAP_AB)
     else:  # the step's NG groups loaded once, each repeated over its rows of q
         NG: tl.constexpr = BLOCK_K // GROUP_K
         ROWS: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K
@@ -163,8 +189,8 @@ def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_z
         s = _repeat_rows(s, ROWS)  # [ROWS, BN]
         zp = _repeat_rows(zp, ROWS)
         if PACKED:
-            acc = tl.dot(a_even, _step_values(lo, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
-            acc = tl.dot(a_odd, _step_values(hi, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
+            acc = oriented_dot(a_even, _step_values(lo, zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
+            acc = oriented_dot(a_odd, _step_values(hi, zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
         else:
-            acc = tl.dot(a, _step_values(q, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
+            acc = oriented_dot(a, _step_values(q, zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
     return acc
