@@ -54,6 +54,8 @@ def test_fit_shared_memory(elem_size, gated):
 def test_bad_gemm_config():
     with pytest.raises(ValueError, match="block_n"):
         tmoe.GemmConfig(16, 48, 64)
+    with pytest.raises(ValueError, match="swap_ab"):
+        tmoe.GemmConfig(16, 32, 64, swap_ab=True)
     with pytest.raises(ValueError, match="block_m"):
         tmoe.MoEConfig(tmoe.GemmConfig(16, 64, 64), tmoe.GemmConfig(32, 64, 64))
 
@@ -62,7 +64,7 @@ def test_table_round_trip_keeps_direct_down(tmp_path):
     from tmoe.config import read_table
 
     GemmConfig, MoEConfig = tmoe.GemmConfig, tmoe.MoEConfig
-    up, down = GemmConfig(16, 32, 128), GemmConfig(16, 64, 256, num_stages=3)
+    up, down = GemmConfig(16, 32, 128), GemmConfig(16, 64, 256, num_stages=3, swap_ab=True)
     table = {1: MoEConfig(up, down, GemmConfig(16, 16, 128, num_stages=6)), 64: MoEConfig(up, down)}
     save_table(tmp_path / "t.json", table)
     assert read_table(tmp_path / "t.json") == table

@@ -193,3 +193,22 @@ def test_layer_with_and_without_epilogue_quant():
         with override_config(MoEConfig(GemmConfig(16, up_bn, 128), GemmConfig(16, 64, 128))):
             out, ref = run_scheme(p, SCHEMES[3])
         assert_close(out, ref, "fp8", name=f"up block_n={up_bn}")
+
+
+@pytest.mark.parametrize("scheme", [SCHEMES[2], SCHEMES[3]], ids=lambda s: s.name)
+@pytest.mark.parametrize("layout", ["sorted", "direct", "batched"])
+def test_fp8_swap_ab(scheme, layout):
+    """``GemmConfig.swap_ab``: per-token scales (per column of the transposed tile) and block
+    scales per K tile, on every row layout; the up tile's 1 x 128 epilogue quantization (block).
+    The kernels see fp8 activations whatever the input dtype: bfloat16 only."""
+    from tmoe.config import GemmConfig, MoEConfig, override_config, override_route
+
+    p = make_problem(MoEShape(13, 4, 128, 256, 2), torch.bfloat16, "skewed", seed=10, device=DEVICE)
+    cfg = MoEConfig(GemmConfig(16, 128, 64, swap_ab=True), GemmConfig(16, 64, 64, swap_ab=True))
+    kernel = None
+    if layout == "batched":
+        kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(26, 4),
+                                            tmoe.BatchedTritonExperts(26, scheme.config))
+    with override_config(cfg), override_route("sorted" if layout == "batched" else layout):
+        out, ref = run_scheme(p, scheme, kernel)
+    assert_close(out, ref, "fp8")

@@ -180,3 +180,31 @@ def test_route_by_slot_count(m, topk, monkeypatch):
 def test_bad_bias_shape():
     with pytest.raises(ValueError, match="w1_bias"):
         tmoe.fused_experts(**_args(), w1_bias=torch.zeros(4, 64))
+
+
+
+def run_layout(p, layout: str, **kwargs):
+    """tmoe.fused_experts on the "sorted" or "direct" route, or the Batched format ("batched")."""
+    if layout == "batched":
+        m, topk = p.topk_ids.shape
+        kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(m * topk, p.w1.shape[0]),
+                                            tmoe.BatchedTritonExperts(m * topk))
+        return kernel(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kwargs)
+    with tmoe.override_route(layout):
+        return tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kwargs)
+
+
+@pytest.mark.parametrize("tiles", [(16, 64, 32, False), (32, 128, 64, True)], ids=["bm16", "bm32-bn128-tma"])
+@pytest.mark.parametrize("layout", ["sorted", "direct", "batched"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swap_ab_tiles(dtype, layout, tiles):
+    """``GemmConfig.swap_ab``: tiles computed transposed (weights as the MMA's LHS) give the same
+    layer; odd N and K mask rows and columns of the transposed tile; with ``tma`` the launcher
+    loads by pointers. The direct route runs its up GEMM at block_m 16; its down GEMM
+    (moe_down_reduce) ignores swap_ab."""
+    bm, bn, bk, tma = tiles
+    p = make_problem(MoEShape(21, 4, 100, 72, 2), dtype, "skewed", seed=23, device=DEVICE)
+    swap = tmoe.GemmConfig(bm, bn, bk, tma=tma, swap_ab=True)
+    with tmoe.override_config(tmoe.MoEConfig(swap, swap)):
+        out = run_layout(p, layout)
+    assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), dtype)

@@ -117,6 +117,36 @@ def test_low_bit_k_steps(case, groups_per_step, route):
     assert_close(out, ref, case.dtype)
 
 
+# each dequant branch with swap_ab: one group per K step (bf16 values from the bits, the int4
+# row-sum correction; float32 values), several groups per step (values scaled before the dot)
+SWAP_CASES = [
+    (Case("int4", 32, True, MoEShape(5, 4, 80, 80, 2), torch.bfloat16), 1),
+    (Case("int4", 32, False, MoEShape(7, 4, 72, 136, 2), torch.float32, "out_of_range"), 2),
+    (Case("int4", 64, False, MoEShape(6, 4, 64, 160, 1), torch.bfloat16), 2),
+    (Case("int8", 32, True, MoEShape(6, 4, 80, 80, 2), torch.float32), 1),
+    (Case("int8", 32, False, MoEShape(6, 4, 72, 72, 2), torch.bfloat16), 2),
+    (Case("mxfp4", 32, False, MoEShape(5, 4, 64, 96, 2), torch.bfloat16), 1),
+    (Case("mxfp4", 32, False, MoEShape(9, 4, 64, 80, 3), torch.float32, "skewed"), 1),
+]
+
+
+@pytest.mark.parametrize("layout", ["sorted", "direct", "batched"])
+@pytest.mark.parametrize("case,groups_per_step", SWAP_CASES, ids=lambda v: str(v))
+def test_low_bit_swap_ab(case, groups_per_step, layout):
+    """``GemmConfig.swap_ab``: the dequantized weights as the dot's LHS, scales and zero points
+    per row of the transposed [BN, BM] tile; N and K not multiples of the tiles."""
+    tiles = tmoe.GemmConfig(16, 64, case.group * groups_per_step, num_stages=2, swap_ab=True)
+    kernel = None
+    if layout == "batched":
+        slots = case.shape.m * case.shape.topk
+        kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(slots, case.shape.e),
+                                            tmoe.BatchedTritonExperts(slots, case.config))
+    with tmoe.override_config(tmoe.MoEConfig(tiles, tiles)), tmoe.override_route(
+            "sorted" if layout == "batched" else layout):
+        out, ref = run_case(case, kernel)
+    assert_close(out, ref, case.dtype)
+
+
 @pytest.mark.parametrize("scheme", ["int4", "mxfp4"])
 def test_low_bit_expert_map(scheme, route):
     """Global E=8, the even experts local: remote and out-of-range slots contribute exactly zero."""

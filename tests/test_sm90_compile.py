@@ -42,11 +42,14 @@ SCRIPT = textwrap.dedent("""
 
     driver.set_active(Sm90())
     compiled = []
+    swapped = []  # (QUANT, ptx) of the swap_ab GEMMs
     run = JITFunction.run
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         compiled.append((self.fn.__name__, kernel.asm["ptx"], kernel.metadata.launch_pdl))
+        if kwargs.get("SWAP_AB"):
+            swapped.append((kwargs["QUANT"], kernel.asm["ptx"]))
         return kernel
 
     JITFunction.run = compile_only
@@ -76,6 +79,13 @@ SCRIPT = textwrap.dedent("""
         for route in ("sorted", "direct"):
             with tmoe.override_route(route):
                 tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, **low_bit)
+        swap = tmoe.GemmConfig(16, 64, g, swap_ab=True)  # swap_ab: the weights as wgmma's LHS at block_m 16
+        with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(swap, swap)):
+            tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, **low_bit)
+    swap = tmoe.GemmConfig(16, 64, 128, swap_ab=True)
+    with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(swap, swap)):
+        tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+        tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
     batched = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(16, 4), tmoe.BatchedTritonExperts(16))
     batched(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
     tmoe.per_token_quant_fp8(p.x)
@@ -85,6 +95,10 @@ SCRIPT = textwrap.dedent("""
     tmoe.moe_align_block_size(torch.randint(0, 8, (3000, 2), dtype=torch.int32), 16, 8)
     print(" ".join(sorted({name for name, _, _ in compiled})))
     print(sum("cp.async.bulk.tensor" in ptx for _, ptx, _ in compiled), sum("wgmma" in ptx for _, ptx, _ in compiled))
+    # swap_ab GEMMs: wgmma (M = block_n) and no mma.sync; low-bit ones take the weights from registers
+    reg_a = r"wgmma\\.mma_async[^;]*\\},\\s*\\{"  # {acc}, {A registers}, B descriptor
+    mma = lambda ptx: "mma.sync" if "mma.sync" in ptx or "wgmma" not in ptx else "regA" if re.search(reg_a, ptx) else "wgmma"
+    print(" ".join(sorted({f"{q}:{mma(ptx)}" for q, ptx in swapped})))
     # the PDL variants of the decode-path kernels (programmatic dependent launch)
     compiled.clear()
     with tmoe.override_pdl(True):
@@ -126,10 +140,12 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    names, counts, pdl_names, mismatched, not_late, not_first = proc.stdout.strip().splitlines()[-6:]
+    names, counts, swap, pdl_names, mismatched, not_late, not_first = proc.stdout.strip().splitlines()[-7:]
     assert names.split() == sorted(KERNELS)
     tma_loads, wgmma = map(int, counts.split())
     assert tma_loads > 0 and wgmma > 0, "the TMA and wgmma paths must be compiled too"
+    assert swap.split() == ["block:wgmma", "int4:regA", "mxfp4:regA", "none:wgmma"], \
+        f"swap_ab GEMMs must use wgmma only, low-bit weights from registers: {swap}"
     assert pdl_names.split() == sorted(PDL_KERNELS), "with override_pdl(True) these launch with PDL and wait"
     assert mismatched == "-", f"launched with PDL but no griddepcontrol (or the reverse): {mismatched}"
     assert not_late == "-", f"these trigger their dependents before their wait or inside the K loop: {not_late}"

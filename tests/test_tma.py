@@ -68,6 +68,7 @@ def test_weight_descriptor_only_where_tma_can_address():
     w = torch.randn(4, 64, 72, dtype=torch.bfloat16)
     assert weight_descriptor(w, GemmConfig(16, 32, 32)) is None  # tma off
     assert weight_descriptor(w, GemmConfig(16, 32, 32, tma=True)) is not None
+    assert weight_descriptor(w, GemmConfig(16, 64, 32, tma=True, swap_ab=True)) is None  # swap_ab: pointers
     assert weight_descriptor(w[:, :, :50], GemmConfig(16, 32, 32, tma=True)) is not None  # 144-byte row stride
     assert weight_descriptor(torch.randn(4, 64, 50, dtype=torch.bfloat16), GemmConfig(16, 32, 32, tma=True)) is None
     assert weight_descriptor(w.transpose(1, 2), GemmConfig(16, 32, 32, tma=True)) is None  # N contiguous

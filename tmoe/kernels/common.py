@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from tmoe.kernels.dequant import b_rows, dequant_dot
+from tmoe.kernels.dequant import b_rows, dequant_dot, oriented_dot
 
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")  # act(gate) * up: W1 has 2N rows
 NO_MUL_ACTIVATIONS = ("silu_no_mul", "gelu_no_mul", "relu2_no_mul")  # act(h): W1 has N rows
@@ -120,6 +120,7 @@ def moe_tile_matmul(
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     ASM_UNPACK: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     """float32 [BM, BN] = A[rows, :K] @ B[:K, cols], dequantized.
 
@@ -128,10 +129,15 @@ def moe_tile_matmul(
     GROUP_K slice of K, applied per K tile; GROUP_K is a multiple of BLOCK_K); weight-only
     "int4", "int8", "mxfp4" (B holds codes, 4-bit: [BK/2, BN] packed bytes, two k per byte; one
     scale and zero point per column and GROUP_K slice of K; ``dequant.dequant_dot``).
+    SWAP_AB: the K loop accumulates the transposed tile, B^T @ A^T [BN, BM] (B the MMA's LHS, as
+    loaded or dequantized), transposed once after the loop.
     """
     offs_k = tl.arange(0, BLOCK_K)
     _, b_k = b_rows(BLOCK_K, QUANT)  # [BK] logical k of B's rows ([BK/2] 4-bit)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -144,17 +150,24 @@ def moe_tile_matmul(
             k_group = (k * BLOCK_K) // GROUP_K
             a_s = tl.load(a_scale_ptrs + k_group * stride_ask, mask=mask_m, other=0.0)
             b_s = tl.load(b_scale_ptrs + k_group * stride_bsk, mask=mask_n, other=0.0)
-            acc += tl.dot(a, b, input_precision=PRECISION) * a_s[:, None] * b_s[None, :]
+            part = oriented_dot(a, b, None, SWAP_AB, PRECISION)  # [BM, BN] ([BN, BM])
+            if SWAP_AB:
+                acc += part * b_s[:, None] * a_s[None, :]
+            else:
+                acc += part * a_s[:, None] * b_s[None, :]
         elif QUANT == "none" or QUANT == "scaled":
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = oriented_dot(a, b, acc, SWAP_AB, PRECISION)
         else:  # low-bit weights
             acc = dequant_dot(a, b, acc, b_scale_ptrs, zp_ptrs, zp_shift, k * BLOCK_K, K, stride_bsk, stride_zpk,
-                              mask_n, BLOCK_K, GROUP_K, QUANT, HAS_ZP, PRECISION, ASM_UNPACK)  # [BM, BN]
+                              mask_n, BLOCK_K, GROUP_K, QUANT, HAS_ZP, PRECISION, ASM_UNPACK,
+                              SWAP_AB)  # [BM, BN] ([BN, BM])
         a_ptrs += BLOCK_K * stride_ak
         if QUANT == "int4" or QUANT == "mxfp4":
             b_ptrs += (BLOCK_K // 2) * stride_bk
         else:
             b_ptrs += BLOCK_K * stride_bk
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BM, BN]
     if QUANT == "scaled":
         a_s = tl.load(a_scale_ptrs, mask=mask_m, other=0.0)
         b_s = tl.load(b_scale_ptrs, mask=mask_n, other=0.0)

@@ -18,7 +18,10 @@ build their values with PTX on four packed bytes at a time, each 32-bit operatio
 values (Marlin's trick): ``prmt`` spreads two bytes into the 16-bit lanes, one ``lop3`` makes
 OFFSET + q (int4), and e2m1 is placed into the lanes as a subnormal-aware 16-bit pattern times an
 exact power of two (bf16: e2m1 * 2^-126, times 2^126; fp16: e2m1 * 2^-14, times 2^14). About one
-instruction per int4 value and three per e2m1 value instead of four and eleven."""
+instruction per int4 value and three per e2m1 value instead of four and eleven.
+
+SWAP_AB: the same values and scales, each dot taken transposed (``oriented_dot``), so the
+accumulator is [BN, BM] and per-column factors of B ([1, BN]) apply as [BN, 1] (``per_column``)."""
 import triton
 import triton.language as tl
 
@@ -181,6 +184,25 @@ def _step_values(q, zp, s, QUANT: tl.constexpr):
 
 
 @triton.jit
+def oriented_dot(x, w, acc, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x @ w for x [BM, BK], w [BK, BN]: [BM, BN]; SWAP_AB: acc + w^T @ x^T, [BN, BM] (the
+    weights are the MMA's LHS). ``acc`` None: no addend."""
+    if SWAP_AB:
+        out = tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=PRECISION)  # [BN, BM]
+    else:
+        out = tl.dot(x, w, acc, input_precision=PRECISION)  # [BM, BN]
+    return out
+
+
+@triton.jit
+def per_column(v, SWAP_AB: tl.constexpr):
+    """A [1, BN] factor of B's columns shaped for the accumulator: [BN, 1] when SWAP_AB."""
+    if SWAP_AB:
+        v = tl.trans(v)
+    return v
+
+
+@triton.jit
 def _repeat_rows(x, ROWS: tl.constexpr):
     """[NG, BN] -> [ROWS, BN]: row i of x repeated over rows [i * ROWS / NG, (i + 1) * ROWS / NG)."""
     NG: tl.constexpr = x.shape[0]
@@ -191,10 +213,11 @@ def _repeat_rows(x, ROWS: tl.constexpr):
 @triton.jit
 def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_zpk, mask_n,
                 BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr,
-                PRECISION: tl.constexpr, ASM_UNPACK: tl.constexpr):
+                PRECISION: tl.constexpr, ASM_UNPACK: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + a @ dequant(q) in float32 for the K step at ``k0``: a [BM, BK], q [BK/2, BN] packed
     bytes (4-bit) or [BK, BN] (int8), uint8; ``s_ptrs``/``zp_ptrs``/``zp_shift``/``mask_n`` [BN] of
-    the tile's columns; ASM_UNPACK: ``packed_values`` by PTX (bf16/fp16 4-bit steps)."""
+    the tile's columns; acc [BM, BN], SWAP_AB: acc [BN, BM] + dequant(q)^T @ a^T; ASM_UNPACK:
+    ``packed_values`` by PTX (bf16/fp16 4-bit steps)."""
     PACKED: tl.constexpr = QUANT == "int4" or QUANT == "mxfp4"
     BLOCK_M: tl.constexpr = a.shape[0]
     if PACKED:
@@ -204,18 +227,23 @@ def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_z
                               stride_zpk, mask_n[None, :], QUANT, HAS_ZP)  # [1, BN]
         if PACKED and a.dtype != tl.float32:  # values in a.dtype straight from the bits
             lo, hi = packed_values(q, QUANT, a.dtype, ASM_UNPACK)  # [BK/2, BN]: k = 2j, 2j + 1
-            part = tl.dot(a_even, lo, input_precision=PRECISION)
-            part = tl.dot(a_odd, hi, part, input_precision=PRECISION)  # [BM, BN]
+            part = oriented_dot(a_even, lo, None, SWAP_AB, PRECISION)
+            part = oriented_dot(a_odd, hi, part, SWAP_AB, PRECISION)  # [BM, BN] ([BN, BM])
             if QUANT == "int4":  # the OFFSET of each code: sum_k a_k (OFFSET + zp)
                 row_sum = tl.sum(a.to(tl.float32), axis=1)  # [BM]
-                part -= row_sum[:, None] * (zp.to(tl.float32) + code_offset(a.dtype))
+                offset = per_column(zp.to(tl.float32) + code_offset(a.dtype), SWAP_AB)
+                if SWAP_AB:
+                    part -= offset * row_sum[None, :]
+                else:
+                    part -= row_sum[:, None] * offset
         elif PACKED:
             q = q.to(tl.int32)
-            part = tl.dot(a_even, _step_values(q & 0xF, zp, 1.0, QUANT), input_precision=PRECISION)
-            part = tl.dot(a_odd, _step_values(q >> 4, zp, 1.0, QUANT), part, input_precision=PRECISION)
+            part = oriented_dot(a_even, _step_values(q & 0xF, zp, 1.0, QUANT), None, SWAP_AB, PRECISION)
+            part = oriented_dot(a_odd, _step_values(q >> 4, zp, 1.0, QUANT), part, SWAP_AB, PRECISION)
         else:
-            part = tl.dot(a, _step_values(q.to(tl.int32), zp, 1.0, QUANT).to(a.dtype), input_precision=PRECISION)
-        acc += part * s
+            part = oriented_dot(a, _step_values(q.to(tl.int32), zp, 1.0, QUANT).to(a.dtype), None, SWAP_AB,
+                                PRECISION)
+        acc += part * per_column(s, SWAP_AB)
     else:  # the step's NG groups loaded once, each repeated over its rows of q
         NG: tl.constexpr = BLOCK_K // GROUP_K
         ROWS: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K
@@ -227,12 +255,12 @@ def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_z
         zp = _repeat_rows(zp, ROWS)
         if ASM_UNPACK and QUANT == "mxfp4" and a.dtype == tl.bfloat16:  # powers of two: exact in bf16
             lo, hi = scaled_e2m1_values(q, s.to(tl.bfloat16))  # [BK/2, BN] each
-            acc = tl.dot(a_even, lo, acc, input_precision=PRECISION)
-            acc = tl.dot(a_odd, hi, acc, input_precision=PRECISION)
+            acc = oriented_dot(a_even, lo, acc, SWAP_AB, PRECISION)
+            acc = oriented_dot(a_odd, hi, acc, SWAP_AB, PRECISION)
         elif PACKED:
             q = q.to(tl.int32)
-            acc = tl.dot(a_even, _step_values(q & 0xF, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
-            acc = tl.dot(a_odd, _step_values(q >> 4, zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
+            acc = oriented_dot(a_even, _step_values(q & 0xF, zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
+            acc = oriented_dot(a_odd, _step_values(q >> 4, zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
         else:
-            acc = tl.dot(a, _step_values(q.to(tl.int32), zp, s, QUANT).to(a.dtype), acc, input_precision=PRECISION)
+            acc = oriented_dot(a, _step_values(q.to(tl.int32), zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
     return acc

@@ -172,10 +172,10 @@ def fit_shared_memory(
 
 def weight_descriptor(w: torch.Tensor, config: GemmConfig) -> TensorDescriptor | None:
     """A TMA descriptor of ``w`` (E, N_w, K) with block [1, block_n, block_k] when ``config.tma``
-    asks for one and TMA can address ``w`` (K contiguous, 16-byte aligned base and strides);
-    None means pointer loads."""
+    asks for one (and no ``swap_ab``, a pointer-path option) and TMA can address ``w`` (K contiguous,
+    16-byte aligned base and strides); None means pointer loads."""
     size = w.element_size()
-    if not config.tma or w.stride(2) != 1 or w.data_ptr() % 16 or any(st * size % 16 for st in w.stride()[:2]):
+    if not config.tma or config.swap_ab or w.stride(2) != 1 or w.data_ptr() % 16 or any(st * size % 16 for st in w.stride()[:2]):
         return None
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, config.block_n, config.block_k])
 

@@ -8,7 +8,12 @@ from dataclasses import dataclass
 class GemmConfig:
     """Tiles of one grouped GEMM. For the up/gate GEMM ``block_n`` counts output columns of
     the activated intermediate (the kernel loads 2 * block_n weight rows). ``tma``: load the
-    weight tiles with TMA (a tensor descriptor; pointer loads where TMA cannot address them)."""
+    weight tiles with TMA (a tensor descriptor; pointer loads where TMA cannot address them).
+    ``swap_ab``: pointer path only (with ``tma`` the launcher loads by pointers): compute each tile
+    transposed, W_tile [BN, BK] @ A_tile^T -> [BN, BM], the weights as the MMA's LHS (its M is then
+    block_n, so small block_m still gets Hopper's wgmma, and dequantized low-bit weights can stay in
+    registers), transposed once at the end. The decode path's down GEMM (``moe_down_reduce``)
+    ignores it."""
 
     block_m: int
     block_n: int
@@ -17,12 +22,15 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
+        if self.swap_ab and self.block_n < 64:
+            raise ValueError(f"GemmConfig.swap_ab needs block_n >= 64 (the MMA's M), got {self.block_n}")
 
 
 @dataclass(frozen=True)

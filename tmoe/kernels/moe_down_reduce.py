@@ -97,7 +97,7 @@ def _moe_down_reduce_kernel(
                                w_scale_ptr + safe_expert * stride_wse + offs_n * stride_wsn,
                                w_zp_ptr + safe_expert * stride_zpe + zp_rows * stride_zpn, zp_shift, k0, K,
                                stride_wsk, stride_zpk, mask_n & computed, BLOCK_K, GROUP_K, QUANT, HAS_ZP,
-                               PRECISION, ASM_UNPACK)  # [BM, BN]
+                               PRECISION, ASM_UNPACK, False)  # [BM, BN]
             acc += part * scale
         else:
             part = tl.dot(a, b, input_precision=PRECISION)  # [BM, BN]

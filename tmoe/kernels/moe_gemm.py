@@ -65,6 +65,7 @@ def _moe_gemm_kernel(
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -135,7 +136,7 @@ def _moe_gemm_kernel(
             w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
             w_zp_ptr + expert * stride_zpe + zp_rows * stride_zpn, zp_shift,
             K, stride_ak, stride_wk, stride_ask, stride_wsk, stride_zpk,
-            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION, ASM_UNPACK,
+            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION, ASM_UNPACK, SWAP_AB,
         )  # [BM, BN] float32, [BM, 2BN] when MUL
         if MUL:
             acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
@@ -259,6 +260,7 @@ def invoke_moe_gemm(
         stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
         stride_om=out.stride(-2), stride_on=out.stride(-1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        SWAP_AB=config.swap_ab,
         GATED=gated, MUL=mul, INTERLEAVED=mul and gate_up_interleaved, ACTIVATION=activation, CLAMP=clamp,
         act_alpha=act_alpha, act_limit=act_limit, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
