@@ -93,9 +93,12 @@ def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str |
 # program per token, streams weights slower than the aligned one), so it is opt-in
 # through override_route("direct") until its down GEMM is faster.
 DIRECT_MAX_SLOTS = 0
-# M * topk at or below which the aligned path skips its align stage ("slots": one row block per
+# Tokens at or below which the aligned path skips its align stage ("slots": one row block per
 # slot in both GEMMs, each slot's output written, the top-k reduce as on the aligned path).
-SLOT_ROUTE_MAX_SLOTS = 0
+# Measured on the H200 (bench/results/2026-12-04_NVIDIA_H200_route_swap_probe_ded77e4.log): at M=1
+# it saves the align launch (Qwen3-30B-A3B bf16 32.4 -> 27.9 us, fp8 block 35.4 -> 31.6,
+# DeepSeek-V3 bf16 176.9 -> 170.2; Mixtral within 1%); from M=4 it loses on some shapes.
+SLOT_ROUTE_MAX_TOKENS = 1
 ROUTES = ("sorted", "direct", "slots")
 
 _ROUTE_OVERRIDE: list[str] = []
@@ -129,12 +132,12 @@ def use_direct_route(m: int, topk: int) -> bool:
     return m * topk <= DIRECT_MAX_SLOTS
 
 
-def use_slot_route(m: int, topk: int) -> bool:
+def use_slot_route(m: int) -> bool:
     """Whether a layer call of ``m`` tokens that does not take the decode path skips the align
     stage (one row block per slot in both GEMMs)."""
     if _ROUTE_OVERRIDE:
         return _ROUTE_OVERRIDE[-1] == "slots"
-    return m * topk <= SLOT_ROUTE_MAX_SLOTS
+    return 0 < m <= SLOT_ROUTE_MAX_TOKENS
 
 
 @functools.lru_cache(maxsize=None)

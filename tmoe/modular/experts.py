@@ -106,7 +106,7 @@ class TritonExperts(_TritonExpertsBase):
                             topk_weights=None if apply_router_weight_on_input else topk_weights,
                             expert_map=expert_map, scales=self._scales(a2q_scale, w2_scale, w2_zp), bias=w2_bias)
             return
-        if use_slot_route(m, topk):  # no align: slot s is row block s of both GEMMs
+        if use_slot_route(m):  # no align: slot s is row block s of both GEMMs
             a2q, a2q_scale = self._up(
                 hidden_states, w1, (m * topk, n), workspace2, replace(cfg.up, block_m=16), a1q_scale, w1_scale,
                 a2_scale, w1_zp, activation=activation, topk_weights=weights, bias=w1_bias,
