@@ -8,7 +8,9 @@ from dataclasses import dataclass
 class GemmConfig:
     """Tiles of one grouped GEMM. For the up/gate GEMM ``block_n`` counts output columns of
     the activated intermediate (the kernel loads 2 * block_n weight rows). ``tma``: load the
-    weight tiles with TMA (a tensor descriptor; pointer loads where TMA cannot address them)."""
+    weight tiles with TMA (a tensor descriptor; pointer loads where TMA cannot address them).
+    ``persistent`` (needs ``tma``): at most one program per SM, each looping over output tiles,
+    where the GEMM has aligned rows (the align stage's) and TMA weights; else one program per tile."""
 
     block_m: int
     block_n: int
@@ -17,12 +19,15 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
+        if self.persistent and not self.tma:
+            raise ValueError("GemmConfig.persistent needs tma=True (the persistent loop reads TMA weight tiles)")
 
 
 @dataclass(frozen=True)
