@@ -227,6 +227,7 @@ class Routing:
     num_tokens_post_padded: torch.Tensor  # [1] int32
     num_slots: int  # M * topk; the sentinel value in sorted_token_ids
     a_row_div: int  # slot // a_row_div is the row of A: topk for (M, K) inputs, 1 for per-slot inputs
+    local_only: bool = False  # every block's expert id is >= 0 (aligned without an expert_map)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def _moe_gemm_kernel(
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK: tl.constexpr,
-    USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
+    USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr, LOCAL_ONLY: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # PDL: before anything is read; the next kernel may start after the K loop (pdl.py)
     if PERSISTENT:  # sorted route, TMA weights: each program walks the valid tiles, NUM_SMS apart
@@ -76,7 +76,11 @@ def _moe_gemm_kernel(
             offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
             mask_n = offs_n < N
             out_ptrs = out_ptr + slots[:, None] * stride_om + offs_n[None, :] * stride_on  # [BM, BN]
-            if expert < 0:  # remote (expert_map): the slots contribute exactly zero
+            if LOCAL_ONLY:  # no branch around the K loop, so flatten can fuse it into the tile loop
+                remote = tl.constexpr(False)
+            else:
+                remote = expert < 0
+            if remote:  # remote (expert_map): the slots contribute exactly zero
                 tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
                          mask=mask_m[:, None] & mask_n[None, :])
             else:
@@ -217,7 +221,7 @@ def invoke_moe_gemm(
     route = dict(sorted_ids_ptr=unused, expert_ids_ptr=unused, num_post_padded_ptr=unused,
                  expert_num_tokens_ptr=unused, topk_ids_ptr=unused, expert_map_ptr=unused,
                  num_experts=0, num_local_experts=w.shape[0], HAS_MAP=False, stride_ae=0, stride_oe=0,
-                 blocks_per_expert=1)
+                 blocks_per_expert=1, LOCAL_ONLY=False)
     if batched:
         cap = a.shape[1]
         route.update(ROUTE="batched", blocks_per_expert=cdiv(cap, config.block_m), num_slots=0, a_row_div=1,
@@ -232,7 +236,7 @@ def invoke_moe_gemm(
         num_pid_m = routing.expert_ids.shape[0]
         route.update(ROUTE="sorted", sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
                      num_post_padded_ptr=routing.num_tokens_post_padded,
-                     num_slots=routing.num_slots, a_row_div=routing.a_row_div)
+                     num_slots=routing.num_slots, a_row_div=routing.a_row_div, LOCAL_ONLY=routing.local_only)
     if num_pid_m == 0 or n == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), mul, shared_memory_budget(a.device))

@@ -110,12 +110,12 @@ class TritonExperts(_TritonExpertsBase):
         )
         a2q, a2q_scale = self._up(
             hidden_states, w1, (m * topk, n), workspace2, cfg.up, a1q_scale, w1_scale, a2_scale, w1_zp,
-            activation=activation, routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk),
+            activation=activation, routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk, expert_map is None),
             topk_weights=weights, bias=w1_bias, **act_options,
         )
         invoke_moe_gemm(
             a2q, w2, output.view(m * topk, k), cfg.down, gated=False,
-            routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1),
+            routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1, expert_map is None),
             scales=self._scales(a2q_scale, w2_scale, w2_zp), bias=w2_bias,
         )
 

@@ -161,7 +161,7 @@ def _gemm_runs(m: int, p: Problem, block_m: int):
     fused_scale = torch.empty(m * topk, n // group, device="cuda") if group else None
     out = torch.empty(m * topk, k, device="cuda", dtype=torch.bfloat16)
     s, eids, ntpp = moe_align_block_size(ids, block_m, e)
-    up_route, down_route = Routing(s, eids, ntpp, m * topk, topk), Routing(s, eids, ntpp, m * topk, 1)
+    up_route, down_route = Routing(s, eids, ntpp, m * topk, topk, True), Routing(s, eids, ntpp, m * topk, 1, True)
 
     def up(cfg: GemmConfig) -> None:
         scales = p.scales(x_scale, p.w1_scale, p.w1_zp)
