@@ -7,7 +7,7 @@ import torch
 
 import tmoe
 from tmoe.config import GemmConfig, MoEConfig, override_config, read_table, save_table
-from tmoe.kernels.gemm_args import INTERPRETER_PROGRAMS, persistent_programs
+from tmoe.kernels.gemm_args import INTERPRETER_PROGRAMS, persistent_epilogue_bytes, persistent_programs
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
@@ -91,3 +91,10 @@ def test_persistent_config_needs_tma_and_round_trips(tmp_path):
 def test_persistent_programs():
     assert persistent_programs(torch.device("cpu"), 100) == INTERPRETER_PROGRAMS
     assert persistent_programs(torch.device("cpu"), 3) == 3
+
+
+def test_persistent_epilogue_bytes():
+    """A 128 x 256 bf16 output tile (64 KB) takes 37 KB beyond the epilogue margin; small tiles none."""
+    assert persistent_epilogue_bytes(GemmConfig(128, 256, 64, tma=True, persistent=True), 2) == 64 * 1024 - 27 * 1024
+    assert persistent_epilogue_bytes(GemmConfig(64, 64, 64, tma=True, persistent=True), 2) == 0
+    assert persistent_epilogue_bytes(GemmConfig(128, 256, 64, tma=True), 2) == 0

@@ -186,6 +186,15 @@ def persistent_programs(device: torch.device, num_tiles: int) -> int:
     return min(_sm_count(device.index if device.index is not None else torch.cuda.current_device()), num_tiles)
 
 
+def persistent_epilogue_bytes(config: GemmConfig, out_elem_size: int) -> int:
+    """Shared memory a persistent config needs beyond EPILOGUE_MARGIN: its flattened loop keeps the
+    pipeline buffers live while the epilogue stages the [block_m, block_n] output tile (measured in
+    the sm_90 compile: +32 KB for a 128 x 128 bf16 tile); 0 for other configs."""
+    if not config.persistent:
+        return 0
+    return max(0, config.block_m * config.block_n * out_elem_size - EPILOGUE_MARGIN)
+
+
 def weight_descriptor(w: torch.Tensor, config: GemmConfig) -> TensorDescriptor | None:
     """A TMA descriptor of ``w`` (E, N_w, K) with block [1, block_n, block_k] when ``config.tma``
     asks for one and TMA can address ``w`` (K contiguous, 16-byte aligned base and strides);

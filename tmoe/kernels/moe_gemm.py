@@ -23,7 +23,7 @@ from tmoe.kernels.dequant import b_rows, zero_point_rows
 from tmoe.kernels.gemm_epilogue import moe_epilogue
 from tmoe.kernels.gemm_args import (
     DirectRouting, Routing, Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
-    persistent_programs, uniform_w_scale, weight_descriptor,
+    persistent_epilogue_bytes, persistent_programs, uniform_w_scale, weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import launch
@@ -239,7 +239,8 @@ def invoke_moe_gemm(
                      num_slots=routing.num_slots, a_row_div=routing.a_row_div, LOCAL_ONLY=routing.local_only)
     if num_pid_m == 0 or n == 0:
         return out
-    config = fit_shared_memory(config, a.element_size(), mul, shared_memory_budget(a.device))
+    config = fit_shared_memory(config, a.element_size(), mul,
+                               shared_memory_budget(a.device) - persistent_epilogue_bytes(config, out.element_size()))
     config = fit_low_bit(config, scales)
     if out_scale is not None:
         group_out = fused_quant_group(n, out_scale.shape[-1], config, gated)
