@@ -7,7 +7,10 @@ form act(gate) * up over W1's 2N rows, else act(h) over N rows) and three row la
 batch) and "direct" (Standard format without the align stage: one program row per slot, its
 expert read from topk_ids; for decode, where nearly every slot has an expert of its own). The
 grid covers the worst case; programs read the real token counts from device memory and
-return early. All row and expert offsets are int64.
+return early. ``PERSISTENT`` (sorted route, TMA weights; ``GemmConfig.persistent``): at most one
+program per SM, each walking the valid tiles (read from num_tokens_post_padded) in grouped order;
+with ``LOCAL_ONLY`` (no expert_map, no remote blocks) the K loop is flattened into the tile loop.
+All row and expert offsets are int64.
 """
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ def _moe_gemm_kernel(
     USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr, LOCAL_ONLY: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # PDL: before anything is read; the next kernel may start after the K loop (pdl.py)
-    if PERSISTENT:  # sorted route, TMA weights: each program walks the valid tiles, NUM_SMS apart
+    if PERSISTENT:  # sorted route, TMA weights: each program walks the valid tiles, grid-size apart
         num_pid_n = tl.cdiv(N, BLOCK_N)
         num_valid_m = tl.load(num_post_padded_ptr) // BLOCK_M
         for tile in tl.range(tl.program_id(0), num_valid_m * num_pid_n, tl.num_programs(0), flatten=True):
@@ -133,7 +136,7 @@ def _moe_gemm_kernel(
         mask_n = offs_n < N
         out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on  # [BM, BN]
         mask_out = mask_m[:, None] & mask_n[None, :]
-        if expert < 0:  # remote (expert_map) or, direct, an out-of-range id or map entry: the slots contribute exactly zero
+        if expert < 0:  # remote (expert_map) or, direct, an out-of-range id or map entry: the slots add exactly 0
             tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask_out)
             return
         offs_k = tl.arange(0, BLOCK_K)
@@ -173,10 +176,11 @@ def _moe_gemm_kernel(
             else:
                 up = acc  # read only when MUL
         pdl_launch_dependents(USE_PDL)
-        moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptr + expert * stride_be + offs_n * (1 + INTERLEAVED),
-                     topk_weights_ptr, out_scale_ptr + out_scale_rows, pid_n, N, stride_osg, quant_eps, act_alpha, act_limit,
-                     BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT,
-                     GROUP_OUT)
+        bias_ptrs = bias_ptr + expert * stride_be + offs_n * (1 + INTERLEAVED)  # [BN] (INTERLEAVED: gate at 2n)
+        moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptrs, topk_weights_ptr,
+                     out_scale_ptr + out_scale_rows, pid_n, N, stride_osg, quant_eps, act_alpha, act_limit,
+                     BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS,
+                     QUANT_OUT, GROUP_OUT)
 
 
 @with_interpreter_fixes
