@@ -62,8 +62,8 @@ SCRIPT = textwrap.dedent("""
     fp8 = dict(quant_config=tmoe.FusedMoEQuantConfig(FP8, block_shape=(128, 128)),
                w1_scale=torch.ones(4, 2, 2), w2_scale=torch.ones(4, 2, 1))
     for route in ("sorted", "direct"):
-        for tma in (False, True):
-            cfg = tmoe.GemmConfig(64, 128, 128, tma=tma)
+        for tma, persistent in ((False, False), (True, False), (True, True)):
+            cfg = tmoe.GemmConfig(64, 128, 128, tma=tma, persistent=persistent)
             with tmoe.override_route(route), tmoe.override_config(tmoe.MoEConfig(cfg, cfg)):
                 tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
                 tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
@@ -101,11 +101,14 @@ SCRIPT = textwrap.dedent("""
     print(" ".join(sorted({f"{q}:{mma(ptx)}" for q, ptx in swapped})))
     # the PDL variants of the decode-path kernels (programmatic dependent launch)
     compiled.clear()
+    persistent = tmoe.GemmConfig(64, 128, 128, tma=True, persistent=True)
     with tmoe.override_pdl(True):
         for route in ("sorted", "direct"):
             with tmoe.override_route(route):
                 tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
                 tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
+        with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(persistent, persistent)):
+            tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
         batched(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
         tmoe.per_token_quant_fp8(p.x)
         tmoe.static_quant_fp8(p.x, torch.ones(1))

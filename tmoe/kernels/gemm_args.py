@@ -62,7 +62,7 @@ def fit_low_bit(config: GemmConfig, scales: Scales | WeightScales | None) -> Gem
     fits: block_k and the group size are powers of two, so one divides the other (dequant.py)."""
     if not isinstance(scales, WeightScales) or not config.tma:
         return config
-    return replace(config, tma=False)
+    return replace(config, tma=False, persistent=False)
 
 
 @functools.cache
@@ -168,6 +168,32 @@ def fit_shared_memory(
     if (stages, block_k) == (config.num_stages, config.block_k):
         return config
     return replace(config, num_stages=stages, block_k=block_k)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+INTERPRETER_PROGRAMS = 4  # persistent programs under the interpreter: few, so each walks several tiles
+
+
+def persistent_programs(device: torch.device, num_tiles: int) -> int:
+    """Programs of a persistent GEMM of at most ``num_tiles`` tiles: min(SMs, num_tiles), the
+    SM count read once per device index; INTERPRETER_PROGRAMS off a GPU."""
+    if device.type != "cuda" or INTERPRETED:
+        return min(INTERPRETER_PROGRAMS, num_tiles)
+    return min(_sm_count(device.index if device.index is not None else torch.cuda.current_device()), num_tiles)
+
+
+def persistent_epilogue_bytes(config: GemmConfig, out_elem_size: int) -> int:
+    """Shared memory a persistent config needs beyond EPILOGUE_MARGIN: the [block_m, block_n] output
+    tile its epilogue may stage while the tile loop keeps the pipeline buffers live (as measured
+    for the flattened loop in the sm_90 compile: +32 KB for a 128 x 128 bf16 tile; kept for the
+    plain loop, which was timed with it); 0 for other configs."""
+    if not config.persistent:
+        return 0
+    return max(0, config.block_m * config.block_n * out_elem_size - EPILOGUE_MARGIN)
 
 
 def weight_descriptor(w: torch.Tensor, config: GemmConfig) -> TensorDescriptor | None:

@@ -13,7 +13,8 @@ class GemmConfig:
     transposed, W_tile [BN, BK] @ A_tile^T -> [BN, BM], the weights as the MMA's LHS (its M is then
     block_n, so small block_m still gets Hopper's wgmma, and dequantized low-bit weights can stay in
     registers), transposed once at the end. The decode path's down GEMM (``moe_down_reduce``)
-    ignores it."""
+    ignores it. ``persistent`` (needs ``tma``): at most one program per SM, each looping over output tiles,
+    where the GEMM has aligned rows (the align stage's) and TMA weights; else one program per tile."""
 
     block_m: int
     block_n: int
@@ -23,6 +24,7 @@ class GemmConfig:
     num_stages: int = 3
     tma: bool = False
     swap_ab: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -31,6 +33,8 @@ class GemmConfig:
                 raise ValueError(f"GemmConfig.{name} must be a power of two >= 16, got {v}")
         if self.swap_ab and self.block_n < 64:
             raise ValueError(f"GemmConfig.swap_ab needs block_n >= 64 (the MMA's M), got {self.block_n}")
+        if self.persistent and not self.tma:
+            raise ValueError("GemmConfig.persistent needs tma=True (the persistent loop reads TMA weight tiles)")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ form act(gate) * up over W1's 2N rows, else act(h) over N rows) and three row la
 batch) and "direct" (Standard format without the align stage: one program row per slot, its
 expert read from topk_ids; for decode, where nearly every slot has an expert of its own). The
 grid covers the worst case; programs read the real token counts from device memory and
-return early. All row and expert offsets are int64.
+return early. ``PERSISTENT`` (sorted route, TMA weights; ``GemmConfig.persistent``): at most one
+program per SM, each walking the valid tiles (read from num_tokens_post_padded) in grouped order.
+All row and expert offsets are int64.
 """
 from __future__ import annotations
 
@@ -17,21 +19,18 @@ import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import (
-    abs_no_nan, act_and_mul, act_no_mul, activation_params, cdiv, fp8_scale, local_expert, moe_tile_matmul,
-    moe_tile_matmul_tma, tile_ids, to_fp8, w1_rows_per_n,
+    activation_params, cdiv, local_expert, moe_tile_matmul, moe_tile_matmul_tma, tile_ids, w1_rows_per_n,
 )
 from tmoe.kernels.dequant import b_rows, zero_point_rows
+from tmoe.kernels.gemm_epilogue import moe_epilogue
 from tmoe.kernels.gemm_args import (
     DirectRouting, Routing, Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
-    uniform_w_scale, weight_descriptor,
+    persistent_epilogue_bytes, persistent_programs, uniform_w_scale, weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import launch
 from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from tmoe.kernels.plan import Launch, planned
-
-FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
-
 
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_gemm_kernel(
@@ -65,116 +64,118 @@ def _moe_gemm_kernel(
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK: tl.constexpr,
-    SWAP_AB: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_bm = tl.arange(0, BLOCK_M)
     pdl_wait(USE_PDL)  # PDL: before anything is read; the next kernel may start after the K loop (pdl.py)
-    if ROUTE == "batched":
-        expert = (pid_m // blocks_per_expert).to(tl.int64)
-        first_row = (pid_m % blocks_per_expert) * BLOCK_M
-        num_rows = tl.load(expert_num_tokens_ptr + expert)
-        if first_row >= num_rows:
-            return
-        rows = (first_row + offs_bm).to(tl.int64)  # [BM]
-        mask_m = rows < num_rows
-        a_rows = expert * stride_ae + rows * stride_am
-        out_rows = expert * stride_oe + rows * stride_om
-        scale_rows = expert * stride_ase + rows * stride_asm
-        out_scale_rows = expert * stride_ose + rows * stride_osm
-    else:
-        if ROUTE == "direct":  # row 0 of the block is slot pid_m, the other rows are masked
-            slots = pid_m.to(tl.int64) + offs_bm  # [BM]
-            mask_m = offs_bm == 0
-            expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, num_local_experts,
-                                  HAS_MAP)
-        else:
-            if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-                return
-            slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + offs_bm).to(tl.int64)  # [BM]
+    if PERSISTENT:  # sorted route, TMA weights: each program walks the valid tiles, grid-size apart
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_valid_m = tl.load(num_post_padded_ptr) // BLOCK_M
+        for tile in range(tl.program_id(0), num_valid_m * num_pid_n, tl.num_programs(0)):
+            pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
+            slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
             mask_m = slots < num_slots
             expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        a_rows = (slots // a_row_div) * stride_am
-        out_rows = slots * stride_om
-        scale_rows = (slots // a_row_div) * stride_asm
-        out_scale_rows = slots * stride_osm
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    mask_n = offs_n < N
-    out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on  # [BM, BN]
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    if expert < 0:  # remote (expert_map) or, direct, an out-of-range id or map entry: the slots contribute exactly zero
-        tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask_out)
-        return
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak  # [BM, BK]
-    if W_DESC:  # gate rows n, up rows N + n of W1 as two TMA tiles (INTERLEAVED: the launcher uses pointers)
-        acc, up = moe_tile_matmul_tma(
-            a_ptrs, w_ptr, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
-            a_scale_ptr + scale_rows, w_scale_ptr + expert * stride_wse,
-            K, stride_ak, stride_ask, stride_wsn, stride_wsk,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, EVEN_K, PRECISION,
-        )  # [BM, BN] float32 each (up: MUL only)
-    else:
-        if MUL:  # tile column 2j is gate row n_j, 2j + 1 is up row n_j (W1 row N + n_j; INTERLEAVED: 2 n_j + 1)
-            offs_c = tl.arange(0, 2 * BLOCK_N)
-            if INTERLEAVED:
-                w_cols = pid_n.to(tl.int64) * 2 * BLOCK_N + offs_c  # [2BN]
+            offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+            mask_n = offs_n < N
+            out_ptrs = out_ptr + slots[:, None] * stride_om + offs_n[None, :] * stride_on  # [BM, BN]
+            if expert < 0:  # remote (expert_map): the slots contribute exactly zero
+                tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                         mask=mask_m[:, None] & mask_n[None, :])
             else:
-                w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
-            mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
+                a_rows = (slots // a_row_div)  # [BM]
+                a_ptrs = a_ptr + a_rows[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :] * stride_ak  # [BM, BK]
+                acc, up = moe_tile_matmul_tma(
+                    a_ptrs, w_ptr, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
+                    a_scale_ptr + a_rows * stride_asm, w_scale_ptr + expert * stride_wse,
+                    K, stride_ak, stride_ask, stride_wsn, stride_wsk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, EVEN_K, PRECISION,
+                )  # [BM, BN] float32 each (up: MUL only)
+                moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptr + expert * stride_be + offs_n,
+                             topk_weights_ptr, out_scale_ptr + slots * stride_osm, pid_n, N, stride_osg, quant_eps,
+                             act_alpha, act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP,
+                             MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT)
+        pdl_launch_dependents(USE_PDL)
+    else:  # one program per output tile
+        pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+        offs_bm = tl.arange(0, BLOCK_M)
+        if ROUTE == "batched":
+            expert = (pid_m // blocks_per_expert).to(tl.int64)
+            first_row = (pid_m % blocks_per_expert) * BLOCK_M
+            num_rows = tl.load(expert_num_tokens_ptr + expert)
+            if first_row >= num_rows:
+                return
+            rows = (first_row + offs_bm).to(tl.int64)  # [BM]
+            slots = rows  # read only with a routed weight, which the Batched format does not take
+            mask_m = rows < num_rows
+            a_rows = expert * stride_ae + rows * stride_am
+            out_rows = expert * stride_oe + rows * stride_om
+            scale_rows = expert * stride_ase + rows * stride_asm
+            out_scale_rows = expert * stride_ose + rows * stride_osm
         else:
-            w_cols = offs_n
-            mask_c = mask_n
-        zp_rows, zp_shift = zero_point_rows(w_cols, QUANT)  # [BN] (2BN when MUL)
-        offs_wk, _ = b_rows(BLOCK_K, QUANT)  # [BK] ([BK/2] 4-bit packed bytes)
-        acc = moe_tile_matmul(
-            a_ptrs,
-            w_ptr + expert * stride_we + offs_wk[:, None] * stride_wk + w_cols[None, :] * stride_wn,
-            mask_m, mask_c,
-            a_scale_ptr + scale_rows,
-            w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
-            w_zp_ptr + expert * stride_zpe + zp_rows * stride_zpn, zp_shift,
-            K, stride_ak, stride_wk, stride_ask, stride_wsk, stride_zpk,
-            BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION, ASM_UNPACK, SWAP_AB,
-        )  # [BM, BN] float32, [BM, 2BN] when MUL
-        if MUL:
-            acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    pdl_launch_dependents(USE_PDL)
-    if HAS_BIAS:  # [BN]; up biases at + N (INTERLEAVED: gate biases at 2n, up biases at 2n + 1)
-        bias_ptrs = bias_ptr + expert * stride_be + offs_n * (1 + INTERLEAVED)
-        up_bias_offset = 1 if INTERLEAVED else N
-    if MUL_ROUTED_WEIGHT:
-        weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
-    if GATED:  # act((w * x) @ W1 + b1): the weight scales the input, the bias is not scaled
-        if MUL_ROUTED_WEIGHT:
-            acc = acc * weight[:, None]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if MUL:
-            if MUL_ROUTED_WEIGHT:
-                up = up * weight[:, None]
-            if HAS_BIAS:
-                up += tl.load(bias_ptrs + up_bias_offset, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            acc = act_and_mul(acc, up, act_alpha, act_limit, ACTIVATION, CLAMP)
+            if ROUTE == "direct":  # row 0 of the block is slot pid_m, the other rows are masked
+                slots = pid_m.to(tl.int64) + offs_bm  # [BM]
+                mask_m = offs_bm == 0
+                expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, num_local_experts,
+                                      HAS_MAP)
+            else:
+                if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+                    return
+                slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + offs_bm).to(tl.int64)  # [BM]
+                mask_m = slots < num_slots
+                expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+            a_rows = (slots // a_row_div) * stride_am
+            out_rows = slots * stride_om
+            scale_rows = (slots // a_row_div) * stride_asm
+            out_scale_rows = slots * stride_osm
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        mask_n = offs_n < N
+        out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on  # [BM, BN]
+        mask_out = mask_m[:, None] & mask_n[None, :]
+        if expert < 0:  # remote (expert_map) or, direct, an out-of-range id or map entry: the slots add exactly 0
+            tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty), mask=mask_out)
+            return
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak  # [BM, BK]
+        if W_DESC:  # gate rows n, up rows N + n of W1 as two TMA tiles (INTERLEAVED: the launcher uses pointers)
+            acc, up = moe_tile_matmul_tma(
+                a_ptrs, w_ptr, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
+                a_scale_ptr + scale_rows, w_scale_ptr + expert * stride_wse,
+                K, stride_ak, stride_ask, stride_wsn, stride_wsk,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, EVEN_K, PRECISION,
+            )  # [BM, BN] float32 each (up: MUL only)
         else:
-            acc = act_no_mul(acc, ACTIVATION)
-        if QUANT_OUT:  # fp8 codes and one scale per 1 x GROUP_OUT group, as per_token_group_quant_fp8
-            NUM_G: tl.constexpr = BLOCK_N // GROUP_OUT
-            acc = tl.where(mask_n[None, :], acc, 0.0)
-            groups = tl.reshape(acc, (BLOCK_M, NUM_G, GROUP_OUT))  # [BM, G, GROUP_OUT]
-            scale = fp8_scale(tl.max(abs_no_nan(groups), axis=2), quant_eps, FP8_MAX, False)  # [BM, G]
-            q = to_fp8(groups, tl.broadcast_to(scale[:, :, None], (BLOCK_M, NUM_G, GROUP_OUT)), FP8_MAX)
-            acc = tl.reshape(q, (BLOCK_M, BLOCK_N))
-            offs_g = pid_n.to(tl.int64) * NUM_G + tl.arange(0, NUM_G)  # [G]
-            scale_ptrs = out_scale_ptr + out_scale_rows[:, None] + offs_g[None, :] * stride_osg
-            tl.store(scale_ptrs, scale, mask=mask_m[:, None] & (offs_g * GROUP_OUT < N)[None, :])
-    else:  # w * (h @ W2 + b2)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if MUL_ROUTED_WEIGHT:
-            acc = acc * weight[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
+            if MUL:  # tile column 2j is gate row n_j, 2j + 1 is up row n_j (W1 row N + n_j; INTERLEAVED: 2 n_j + 1)
+                offs_c = tl.arange(0, 2 * BLOCK_N)
+                if INTERLEAVED:
+                    w_cols = pid_n.to(tl.int64) * 2 * BLOCK_N + offs_c  # [2BN]
+                else:
+                    w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
+                mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
+            else:
+                w_cols = offs_n
+                mask_c = mask_n
+            zp_rows, zp_shift = zero_point_rows(w_cols, QUANT)  # [BN] (2BN when MUL)
+            offs_wk, _ = b_rows(BLOCK_K, QUANT)  # [BK] ([BK/2] 4-bit packed bytes)
+            acc = moe_tile_matmul(
+                a_ptrs,
+                w_ptr + expert * stride_we + offs_wk[:, None] * stride_wk + w_cols[None, :] * stride_wn,
+                mask_m, mask_c,
+                a_scale_ptr + scale_rows,
+                w_scale_ptr + expert * stride_wse + (w_cols // GROUP_N) * stride_wsn,
+                w_zp_ptr + expert * stride_zpe + zp_rows * stride_zpn, zp_shift,
+                K, stride_ak, stride_wk, stride_ask, stride_wsk, stride_zpk,
+                BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION, ASM_UNPACK, SWAP_AB,
+            )  # [BM, BN] float32, [BM, 2BN] when MUL
+            if MUL:
+                acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+            else:
+                up = acc  # read only when MUL
+        pdl_launch_dependents(USE_PDL)
+        bias_ptrs = bias_ptr + expert * stride_be + offs_n * (1 + INTERLEAVED)  # [BN] (INTERLEAVED: gate at 2n)
+        moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptrs, topk_weights_ptr,
+                     out_scale_ptr + out_scale_rows, pid_n, N, stride_osg, quant_eps, act_alpha, act_limit,
+                     BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS,
+                     QUANT_OUT, GROUP_OUT)
 
 
 @with_interpreter_fixes
@@ -237,7 +238,8 @@ def invoke_moe_gemm(
                      num_slots=routing.num_slots, a_row_div=routing.a_row_div)
     if num_pid_m == 0 or n == 0:
         return out
-    config = fit_shared_memory(config, a.element_size(), mul, shared_memory_budget(a.device))
+    config = fit_shared_memory(config, a.element_size(), mul,
+                               shared_memory_budget(a.device) - persistent_epilogue_bytes(config, out.element_size()))
     config = fit_low_bit(config, scales)
     if out_scale is not None:
         group_out = fused_quant_group(n, out_scale.shape[-1], config, gated)
@@ -246,7 +248,9 @@ def invoke_moe_gemm(
         group_out, os_st = 1, (0, 0, 0)
     w_desc = None if mul and gate_up_interleaved else weight_descriptor(w, config)
     act_alpha, act_limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
-    grid = (num_pid_m * cdiv(n, config.block_n),)
+    num_tiles = num_pid_m * cdiv(n, config.block_n)
+    persistent = config.persistent and w_desc is not None and not batched and not isinstance(routing, DirectRouting)
+    grid = (persistent_programs(a.device, num_tiles) if persistent else num_tiles,)
     kwargs = dict(
         a_ptr=a, w_ptr=w, out_ptr=out, W_DESC=w_desc is not None,
         UNIFORM_W_SCALE=w_desc is not None and uniform_w_scale(scales, n, config.block_n, mul),
@@ -260,11 +264,10 @@ def invoke_moe_gemm(
         stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
         stride_om=out.stride(-2), stride_on=out.stride(-1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        SWAP_AB=config.swap_ab,
         GATED=gated, MUL=mul, INTERLEAVED=mul and gate_up_interleaved, ACTIVATION=activation, CLAMP=clamp,
         act_alpha=act_alpha, act_limit=act_limit, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, SWAP_AB=config.swap_ab, PERSISTENT=persistent,
         **route, **scale_args(scales, a, w, config, config.block_n * (1 + mul)), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned
