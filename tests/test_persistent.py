@@ -10,7 +10,7 @@ from tmoe.config import GemmConfig, MoEConfig, override_config, read_table, save
 from tmoe.kernels.gemm_args import INTERPRETER_PROGRAMS, persistent_epilogue_bytes, persistent_programs
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
-from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
+from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem
 from test_fp8_layer import SCHEMES, run_scheme
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,13 +42,8 @@ def test_persistent_biases_and_remote_experts():
     """Biases of both GEMMs (swigluoai), half the experts remote (their tiles store zeros), the
     routed weight applied in the up GEMM."""
     p = make_problem(MoEShape(29, 8, 64, 64, 2), torch.bfloat16, "uniform", seed=5, device=DEVICE)
-    emap = half_remote_expert_map(8, DEVICE)
-    local = torch.arange(8, device=DEVICE)[emap >= 0]
-    w1, w2 = p.w1[local].contiguous(), p.w2[local].contiguous()
-    b1 = torch.randn(4, 128, device=DEVICE).to(torch.bfloat16)
-    b2 = torch.randn(4, 64, device=DEVICE).to(torch.bfloat16)
-    kwargs = dict(activation="swigluoai", w1_bias=b1, w2_bias=b2, global_num_experts=8, expert_map=emap,
-                  apply_router_weight_on_input=True)
+    w1, w2, kwargs = half_remote_swigluoai(p, DEVICE)
+    kwargs["apply_router_weight_on_input"] = True
     x = p.x
     topk_weights, topk_ids = p.topk_weights[:, :1].contiguous(), p.topk_ids[:, :1].contiguous()
     with tmoe.override_route("sorted"), override_config(persistent_config(16, 32, 32, 32)):

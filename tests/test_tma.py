@@ -9,7 +9,7 @@ from tmoe.config import GemmConfig, MoEConfig, override_config
 from tmoe.kernels.gemm_args import Scales, uniform_w_scale, weight_descriptor
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
-from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
+from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem
 from test_fp8_layer import SCHEMES, run_scheme
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -38,12 +38,7 @@ def test_tma_biases_and_remote_experts(fmt):
     """Biases of both GEMMs (GPT-OSS swigluoai) and an expert map with half the experts remote:
     remote slots contribute exactly zero."""
     p = make_problem(MoEShape(23, 8, 64, 64, 2), torch.bfloat16, "out_of_range", seed=3, device=DEVICE)
-    emap = half_remote_expert_map(8, DEVICE)
-    local = torch.arange(8, device=DEVICE)[emap >= 0]
-    w1, w2 = p.w1[local].contiguous(), p.w2[local].contiguous()
-    b1 = torch.randn(4, 128, device=DEVICE).to(torch.bfloat16)
-    b2 = torch.randn(4, 64, device=DEVICE).to(torch.bfloat16)
-    kwargs = dict(activation="swigluoai", w1_bias=b1, w2_bias=b2, global_num_experts=8, expert_map=emap)
+    w1, w2, kwargs = half_remote_swigluoai(p, DEVICE)
     with override_config(tma_config(16, 32, 32, 32)):
         if fmt == "standard":
             out = tmoe.fused_experts(p.x, w1, w2, p.topk_weights, p.topk_ids, **kwargs)

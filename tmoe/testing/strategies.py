@@ -73,6 +73,18 @@ def half_remote_expert_map(e: int, device: str | torch.device = "cpu") -> torch.
     return torch.where(ids % 2 == 0, ids // 2, -1).to(torch.int32).to(device)
 
 
+def half_remote_swigluoai(p, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(w1, w2, layer keyword arguments) of the rank holding the even experts of problem ``p``:
+    its local weights, GPT-OSS's swigluoai with random biases of both GEMMs, and the expert map."""
+    e = p.w1.shape[0]
+    emap = half_remote_expert_map(e, device)
+    local = torch.arange(e, device=device)[emap >= 0]
+    w1, w2 = p.w1[local].contiguous(), p.w2[local].contiguous()
+    b1 = torch.randn(len(local), w1.shape[1], device=device).to(p.x.dtype)
+    b2 = torch.randn(len(local), w2.shape[1], device=device).to(p.x.dtype)
+    return w1, w2, dict(activation="swigluoai", w1_bias=b1, w2_bias=b2, global_num_experts=e, expert_map=emap)
+
+
 def make_problem(shape: MoEShape, dtype: torch.dtype, routing: str, seed: int, device: str | torch.device = "cpu"):
     """Random layer inputs with weights scaled so outputs stay O(1)."""
     g = torch.Generator().manual_seed(seed)
