@@ -99,6 +99,35 @@ SCRIPT = textwrap.dedent("""
     reg_a = r"wgmma\\.mma_async[^;]*\\},\\s*\\{"  # {acc}, {A registers}, B descriptor
     mma = lambda ptx: "mma.sync" if "mma.sync" in ptx or "wgmma" not in ptx else "regA" if re.search(reg_a, ptx) else "wgmma"
     print(" ".join(sorted({f"{q}:{mma(ptx)}" for q, ptx in swapped})))
+    # the PTX unpacking of packed 4-bit codes (a GPU picks it from its device; forced here): one-group
+    # K steps in bf16 and fp16, and a bf16 mxfp4 step over two groups (scales multiplied in the PTX)
+    from tmoe.kernels import gemm_args
+    from tmoe.kernels.launch import clear_launch_caches
+    gemm_args.asm_unpack = lambda scales, a, config, tile_n: (
+        isinstance(scales, gemm_args.WeightScales) and scales.weight_dtype != "int8" and a.dtype != torch.float32)
+    clear_launch_caches()
+    unpacked = []
+    for scheme, dtype, groups in (("int4", torch.bfloat16, 1), ("int4", torch.float16, 1), ("mxfp4", torch.bfloat16, 1),
+                                  ("mxfp4", torch.float16, 1), ("mxfp4", torch.bfloat16, 2)):
+        g = 32 if scheme == "mxfp4" else 128
+        w1, w2 = p.w1.to(dtype), p.w2.to(dtype)
+        if scheme == "mxfp4":
+            (q1, s1), (q2, s2), z1, z2 = tmoe.quantize_weight_mxfp4(w1), tmoe.quantize_weight_mxfp4(w2), None, None
+        else:
+            q1, s1, z1 = tmoe.quantize_weight_int4(w1, g, zero_point=True)
+            q2, s2, z2 = tmoe.quantize_weight_int4(w2, g, zero_point=True)
+        low_bit = dict(quant_config=tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=g), w1_scale=s1,
+                       w2_scale=s2, w1_zp=z1, w2_zp=z2)
+        tiles = tmoe.GemmConfig(16, 64, g * groups)
+        compiled.clear()
+        with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(tiles, tiles)):
+            tmoe.fused_experts(p.x.to(dtype), q1, q2, p.topk_weights, p.topk_ids, **low_bit)
+        gemms = [ptx for name, ptx, _ in compiled if name == "_moe_gemm_kernel"]
+        mul = "mul.rn.bf16x2" if dtype == torch.bfloat16 else "mul.rn.f16x2"
+        ok = len(gemms) == 2 and all("prmt.b32" in ptx and "lop3.b32" in ptx and (scheme == "int4" or mul in ptx)
+                                     for ptx in gemms)
+        unpacked.append(f"{scheme}-{str(dtype)[6:]}-{groups}:{'ok' if ok else 'missing'}")
+    print(" ".join(unpacked))
     # the PDL variants of the decode-path kernels (programmatic dependent launch)
     compiled.clear()
     persistent = tmoe.GemmConfig(64, 128, 128, tma=True, persistent=True)
@@ -143,12 +172,14 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    names, counts, swap, pdl_names, mismatched, not_late, not_first = proc.stdout.strip().splitlines()[-7:]
+    names, counts, swap, unpacked, pdl_names, mismatched, not_late, not_first = proc.stdout.strip().splitlines()[-8:]
     assert names.split() == sorted(KERNELS)
     tma_loads, wgmma = map(int, counts.split())
     assert tma_loads > 0 and wgmma > 0, "the TMA and wgmma paths must be compiled too"
     assert swap.split() == ["block:wgmma", "int4:regA", "mxfp4:regA", "none:wgmma"], \
         f"swap_ab GEMMs must use wgmma only, low-bit weights from registers: {swap}"
+    assert all(u.endswith(":ok") for u in unpacked.split()) and len(unpacked.split()) == 5, \
+        f"the 4-bit GEMMs must compile the PTX unpacking (prmt, lop3; mxfp4 its 16x2 multiply): {unpacked}"
     assert pdl_names.split() == sorted(PDL_KERNELS), "with override_pdl(True) these launch with PDL and wait"
     assert mismatched == "-", f"launched with PDL but no griddepcontrol (or the reverse): {mismatched}"
     assert not_late == "-", f"these trigger their dependents before their wait or inside the K loop: {not_late}"
