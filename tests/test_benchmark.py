@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tmoe.tools import bench as bm
-from tmoe.tools import peers
+from tmoe.tools import peers, results, timing
 from tmoe.reference import moe_reference
 from tmoe.testing.tolerance import rel_error
 
@@ -52,21 +52,21 @@ def test_real_shapes():
 
 
 def _row(graph, eager, provider="tmoe"):
-    return bm.Row(SMALL, "bf16", 3, provider, graph, eager, floor=5.0, nbytes=2e6, flops=4e9, touched=3.0)
+    return results.Row(SMALL, "bf16", 3, provider, graph, eager, floor=5.0, nbytes=2e6, flops=4e9, touched=3.0)
 
 
 def test_row_uses_graph_time_then_eager():
     r = _row(10.0, 12.0)
     assert r.best_us == 10.0
-    assert bm.row_cells(r) == ["small", "3", "tmoe", "10.0", "12.0", "5.0", "0.50", "0.20", "400.0"]
-    syncing = bm.row_cells(_row("syncs", 20.0, "loop"))
+    assert results.row_cells(r) == ["small", "3", "tmoe", "10.0", "12.0", "5.0", "0.50", "0.20", "400.0"]
+    syncing = results.row_cells(_row("syncs", 20.0, "loop"))
     assert syncing[3] == "n/a (syncs)" and syncing[6] == "0.25"
-    failed = bm.row_cells(_row("RuntimeError", "RuntimeError", "grouped_mm"))
+    failed = results.row_cells(_row("RuntimeError", "RuntimeError", "grouped_mm"))
     assert failed[3:5] == ["n/a (RuntimeError)"] * 2 and failed[6:] == ["n/a"] * 3
 
 
 def test_markdown_table():
-    lines = bm.markdown_table([_row(10.0, 12.0), _row("syncs", 20.0, "loop")]).splitlines()
+    lines = results.markdown_table([_row(10.0, 12.0), _row("syncs", 20.0, "loop")]).splitlines()
     assert lines[0] == "| shape | M | provider | graph µs | eager µs | floor µs | fraction of floor | TB/s | TFLOP/s |"
     assert lines[1] == "|" + "---|" * 9
     assert lines[3] == "| small | 3 | loop | n/a (syncs) | 20.0 | 5.0 | 0.25 | 0.10 | 200.0 |"
@@ -74,13 +74,13 @@ def test_markdown_table():
 
 
 def test_csv_appends_rows_under_one_header(tmp_path):
-    env = bm.Env("2025-01-01T00:00:00", "NVIDIA H200", "2.11.0", "3.6.0", "abc1234")
+    env = results.Env("2025-01-01T00:00:00", "NVIDIA H200", "2.11.0", "3.6.0", "abc1234")
     path = tmp_path / "bench_moe.csv"
-    bm.append_csv(path, [_row(10.0, 12.0)], env)
-    bm.append_csv(path, [_row("syncs", 20.0, "loop")], env)
+    results.append_csv(path, [_row(10.0, 12.0)], env)
+    results.append_csv(path, [_row("syncs", 20.0, "loop")], env)
     with path.open() as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == bm.CSV_FIELDS and len(rows) == 2
+    assert list(rows[0]) == results.CSV_FIELDS and len(rows) == 2
     assert rows[0]["gpu"] == "NVIDIA H200" and rows[0]["commit"] == "abc1234" and rows[0]["E"] == "4"
     assert rows[0]["graph_us"] == "10.0" and rows[0]["fraction"] == "0.50" and rows[0]["touched_experts"] == "3"
     assert rows[1]["provider"] == "loop" and rows[1]["graph_us"] == "n/a (syncs)"
@@ -88,14 +88,14 @@ def test_csv_appends_rows_under_one_header(tmp_path):
 
 def test_plot_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
-    assert not bm.write_plot(tmp_path / "roofline.png", [_row(10.0, 12.0)])
+    assert not results.write_plot(tmp_path / "roofline.png", [_row(10.0, 12.0)])
     assert not (tmp_path / "roofline.png").exists()
 
 
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [bm.Row(SMALL, "bf16", m, "tmoe", 10.0 * m, 12.0, 5.0, 1.0, 1.0, 3.0) for m in (1, 8, 64)]
-    assert bm.write_plot(tmp_path / "roofline.png", rows)
+    rows = [results.Row(SMALL, "bf16", m, "tmoe", 10.0 * m, 12.0, 5.0, 1.0, 1.0, 3.0) for m in (1, 8, 64)]
+    assert results.write_plot(tmp_path / "roofline.png", rows)
     assert (tmp_path / "roofline.png").stat().st_size > 0
 
 
@@ -222,14 +222,14 @@ def test_scaled_grouped_mm_setup_failure_is_reported(monkeypatch):
 
 
 def test_read_ceiling_kernel_reads_every_element_once():
-    x = torch.randn(3 * peers._READ_BLOCK * peers._READ_TILES + 5)
-    partials = torch.empty(-(-x.numel() // (peers._READ_BLOCK * peers._READ_TILES)))
-    peers._stream_read(x, partials)
+    x = torch.randn(3 * timing._READ_BLOCK * timing._READ_TILES + 5)
+    partials = torch.empty(-(-x.numel() // (timing._READ_BLOCK * timing._READ_TILES)))
+    timing._stream_read(x, partials)
     assert torch.allclose(partials.sum(), x.sum(), rtol=1e-4, atol=1e-2)
 
 
 def test_ceilings_line_names_the_best_and_every_trial():
-    c = peers.Ceilings(4.2e12, 4.6e12, 7.9e14, 1.4e15, {"copy": (4.1e12, 4.2e12), "read": (4.6e12, 4.5e12),
+    c = timing.Ceilings(4.2e12, 4.6e12, 7.9e14, 1.4e15, {"copy": (4.1e12, 4.2e12), "read": (4.6e12, 4.5e12),
                                                   "bf16": (7.8e14, 7.9e14), "fp8": (1.3e15, 1.4e15)}, "note")
     line = c.describe()
     assert "copy 4.20 TB/s, read 4.60 TB/s, bf16 matmul 790 TFLOP/s, fp8 matmul 1400 TFLOP/s" in line

@@ -13,13 +13,10 @@ modes (``--dtype int4|int8|mxfp4``, ``tmoe.tools.low_bit``) count the scheme's w
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import functools
-import itertools
 import re
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,11 +24,11 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from tmoe.tools import peers
+from tmoe.tools import peers, timing
 from tmoe.tools.low_bit import LOW_BIT_DTYPES, value_bytes
-from tmoe.tools.peers import Call
+from tmoe.tools.results import Env, Measurement, Row, append_csv, git_commit, markdown_table, row_cells, write_plot
+from tmoe.tools.timing import Call
 
-Measurement = float | str  # microseconds, or why there is none
 DTYPES = ("bf16", "fp8_block", "fp8_token", *LOW_BIT_DTYPES)
 DEFAULT_MS = (1, 8, 64, 256, 1024, 4096, 16384)
 QUICK_MS = (1, 64, 1024)
@@ -86,117 +83,6 @@ def floor_us(nbytes: float, flops: float, copy_bw: float, flop_rate: float) -> f
     return 1e6 * max(nbytes / copy_bw, flops / flop_rate)
 
 
-@dataclass(frozen=True)
-class Row:
-    """One measurement; times in µs; ``nbytes``/``flops`` of one call, ``touched`` averaged over sets."""
-
-    shape: Shape
-    dtype: str
-    m: int
-    provider: str
-    graph: Measurement
-    eager: Measurement
-    floor: float
-    nbytes: float
-    flops: float
-    touched: float
-
-    @property
-    def best_us(self) -> float | None:
-        for t in (self.graph, self.eager):
-            if isinstance(t, float):
-                return t
-        return None
-
-    def per_second(self, amount: float) -> float | None:
-        return None if self.best_us is None else amount / (self.best_us * 1e-6)
-
-
-def _cell(v: Measurement | None, fmt: str = "{:.1f}") -> str:
-    if v is None:
-        return "n/a"
-    return fmt.format(v) if isinstance(v, float) else f"n/a ({v})"
-
-
-def row_cells(r: Row) -> list[str]:
-    """Table cells: shape, M, provider, graph µs, eager µs, floor µs, fraction, TB/s, TFLOP/s."""
-    frac = None if r.best_us is None else r.floor / r.best_us
-    tbs, tflops = r.per_second(r.nbytes), r.per_second(r.flops)
-    return [r.shape.name, str(r.m), r.provider, _cell(r.graph), _cell(r.eager), _cell(r.floor),
-            _cell(frac, "{:.2f}"), _cell(None if tbs is None else tbs / 1e12, "{:.2f}"),
-            _cell(None if tflops is None else tflops / 1e12, "{:.1f}")]
-
-
-TABLE_HEADER = ["shape", "M", "provider", "graph µs", "eager µs", "floor µs", "fraction of floor", "TB/s", "TFLOP/s"]
-
-
-def markdown_table(rows: Sequence[Row]) -> str:
-    lines = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    return "\n".join(lines + ["| " + " | ".join(row_cells(r)) + " |" for r in rows]) + "\n"
-
-
-@dataclass(frozen=True)
-class Env:
-    date: str
-    gpu: str
-    torch: str
-    triton: str
-    commit: str
-
-
-def git_commit() -> str:
-    """``git rev-parse --short HEAD`` in the working directory, "unknown" when that fails."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
-
-
-CSV_FIELDS = ["date", "gpu", "torch", "triton", "commit", "shape", "E", "N", "K", "topk", "dtype", "M", "provider",
-              "graph_us", "eager_us", "floor_us", "fraction", "tb_s", "tflop_s", "touched_experts"]
-
-
-def append_csv(path: Path, rows: Sequence[Row], env: Env) -> None:
-    """Append one line per row, writing the header when the file is new."""
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(CSV_FIELDS)
-        for r in rows:
-            s, cells = r.shape, row_cells(r)
-            w.writerow([env.date, env.gpu, env.torch, env.triton, env.commit, s.name, s.e, s.n, s.k, s.topk, r.dtype,
-                        r.m, r.provider, *cells[3:], f"{r.touched:g}"])
-
-
-def write_plot(path: Path, rows: Sequence[Row]) -> bool:
-    """Fraction of floor vs M (log x), one line per shape x provider; False without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is missing: no plot", flush=True)
-        return False
-    fig, ax = plt.subplots(figsize=(8, 5))
-    shapes = sorted({r.shape.name for r in rows})
-    styles = {"tmoe": "-", "grouped_mm": "--", "scaled_grouped_mm": (0, (5, 1, 1, 1, 1, 1)), "loop": ":"}
-    for (shape, prov), grp in itertools.groupby(sorted(rows, key=lambda r: (r.shape.name, r.provider, r.m)),
-                                                key=lambda r: (r.shape.name, r.provider)):
-        pts = [(r.m, r.floor / r.best_us) for r in grp if r.best_us]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", linestyle=styles.get(prov, "-."), color=f"C{shapes.index(shape)}",
-                    label=f"{shape} {prov}")
-    ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set(xscale="log", xlabel="M (tokens)", ylabel="fraction of roofline floor", ylim=(0, None))
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return True
-
-
 def guarded(fn: Callable[[], float]) -> Measurement:
     """fn() in µs, or the error's type name when it raises: a failing provider never ends the run."""
     try:
@@ -221,14 +107,14 @@ def _report(row: Row, t0: float) -> Row:
 
 def _time_both(calls: list[Call], syncs: bool, args: argparse.Namespace) -> tuple[Measurement, Measurement]:
     """(graph µs or "syncs", eager µs), each guarded."""
-    graph = "syncs" if syncs else guarded(lambda: peers.time_graph(calls, args.rounds))
-    eager = guarded(lambda: peers.time_eager(calls, args.rep_ms))
+    graph = "syncs" if syncs else guarded(lambda: timing.time_graph(calls, args.rounds))
+    eager = guarded(lambda: timing.time_eager(calls, args.rep_ms))
     torch.cuda.empty_cache()
     return graph, eager
 
 
 def bench_stages(s: Shape, m: int, w1: torch.Tensor, w2: torch.Tensor, sets: list[peers.RoutedInputs],
-                 touched: float, args: argparse.Namespace, ceil: peers.Ceilings, t0: float) -> Iterator[Row]:
+                 touched: float, args: argparse.Namespace, ceil: timing.Ceilings, t0: float) -> Iterator[Row]:
     """Rows ``tmoe.<stage>``: each bf16 stage op timed alone at the block_m the layer uses."""
     import tmoe
 
@@ -245,7 +131,7 @@ def bench_stages(s: Shape, m: int, w1: torch.Tensor, w2: torch.Tensor, sets: lis
         yield _report(Row(s, "bf16", m, f"tmoe.{stage}", graph, eager, floor, nbytes, flops, touched), t0)
 
 
-def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: peers.Ceilings,
+def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: timing.Ceilings,
                 t0: float) -> Iterator[Row]:
     """Every M and provider of one shape on fresh random weights, freed before returning."""
     dev = torch.device("cuda")
@@ -316,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# {env.gpu}, torch {env.torch}, triton {env.triton}, commit {env.commit}, {args.dtype}", flush=True)
     if args.stages and args.dtype != "bf16":
         print("# --stages times bf16 only: skipped", flush=True)
-    ceil = peers.measure_ceilings(with_fp8=args.dtype.startswith("fp8"))
+    ceil = timing.measure_ceilings(with_fp8=args.dtype.startswith("fp8"))
     ceil_text = ceil.describe()
     print(f"# ceilings: {ceil_text}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
