@@ -64,3 +64,14 @@ def route(request):
 
     with override_route(request.param):
         yield request.param
+
+
+@pytest.fixture(params=["sorted", "direct"])
+def matrix_route(request):
+    """The aligned and decode paths, for the large case matrices (tiles x dtypes x schemes); the
+    slots path, whose two GEMMs are the decode path's up GEMM kind, runs every ``route`` test and
+    the small-M cases of test_fused_experts (CI time)."""
+    from tmoe.config import override_route
+
+    with override_route(request.param):
+        yield request.param

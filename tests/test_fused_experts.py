@@ -52,9 +52,19 @@ def run_and_check(p, dtype, **kwargs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_fused_experts_cases(case, dtype, route):
+def test_fused_experts_cases(case, dtype, matrix_route):
     p = make_problem(case.shape, dtype, case.routing, seed=zlib.crc32(str(case).encode()) % 1000, device=DEVICE)
     run_and_check(p, dtype, activation=case.activation)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [c for c in CASES if c.shape.m <= 17], ids=str)
+def test_slots_route_cases(case, dtype):
+    """The slots path (the default at M=1) on the small-M cases: M=0 and 1, E=1, odd N and K,
+    topk=E and 1, empty experts, one-hot and out-of-range routing, every activation."""
+    p = make_problem(case.shape, dtype, case.routing, seed=zlib.crc32(str(case).encode()) % 1000, device=DEVICE)
+    with tmoe.override_route("slots"):
+        run_and_check(p, dtype, activation=case.activation)
 
 
 @given(problems(device=DEVICE))

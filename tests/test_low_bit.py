@@ -107,7 +107,7 @@ STEP_CASES = [(case, groups) for case in ONE_GROUP for groups in (1, 2)] + [
 
 
 @pytest.mark.parametrize("case,groups_per_step", STEP_CASES, ids=lambda v: str(v))
-def test_low_bit_k_steps(case, groups_per_step, route):
+def test_low_bit_k_steps(case, groups_per_step, matrix_route):
     """One group per K step: bf16/fp16 4-bit steps build the values in the activation dtype (int4
     with the OFFSET row-sum correction), the others in float32. Several: each value is scaled
     before the dot. The last step's packed rows and groups past K are masked."""
