@@ -95,28 +95,22 @@ class TritonExperts(_TritonExpertsBase):
         n = w1.shape[1] // w1_rows_per_n(activation)
         cfg = self._config(m, global_num_experts, n, k, topk, hidden_states.device)
         weights = topk_weights.reshape(-1) if apply_router_weight_on_input else None
-        if output.dim() == 2:
+        if output.dim() == 2 or use_slot_route(m):  # no align: slot s is row block s of the up GEMM
             a2q, a2q_scale = self._up(
                 hidden_states, w1, (m * topk, n), workspace2, replace(cfg.up, block_m=16), a1q_scale, w1_scale,
                 a2_scale, w1_zp, activation=activation, topk_weights=weights, bias=w1_bias,
                 routing=DirectRouting(topk_ids, global_num_experts, expert_map, topk), **act_options,
             )
-            down_cfg = direct_down_config(cfg, m, k, hidden_states.device, self.quant_config.block_shape)
-            moe_down_reduce(a2q, w2, output, topk_ids, global_num_experts, down_cfg,
-                            topk_weights=None if apply_router_weight_on_input else topk_weights,
-                            expert_map=expert_map, scales=self._scales(a2q_scale, w2_scale, w2_zp), bias=w2_bias)
-            return
-        if use_slot_route(m):  # no align: slot s is row block s of both GEMMs
-            a2q, a2q_scale = self._up(
-                hidden_states, w1, (m * topk, n), workspace2, replace(cfg.up, block_m=16), a1q_scale, w1_scale,
-                a2_scale, w1_zp, activation=activation, topk_weights=weights, bias=w1_bias,
-                routing=DirectRouting(topk_ids, global_num_experts, expert_map, topk), **act_options,
-            )
-            invoke_moe_gemm(
-                a2q, w2, output.view(m * topk, k), replace(cfg.down, block_m=16), gated=False,
-                routing=DirectRouting(topk_ids, global_num_experts, expert_map, 1),
-                scales=self._scales(a2q_scale, w2_scale, w2_zp), bias=w2_bias,
-            )
+            scales = self._scales(a2q_scale, w2_scale, w2_zp)
+            if output.dim() == 2:  # decode: the down GEMM sums each token's slots
+                down_cfg = direct_down_config(cfg, m, k, hidden_states.device, self.quant_config.block_shape)
+                moe_down_reduce(a2q, w2, output, topk_ids, global_num_experts, down_cfg,
+                                topk_weights=None if apply_router_weight_on_input else topk_weights,
+                                expert_map=expert_map, scales=scales, bias=w2_bias)
+            else:  # slots: the down GEMM per slot too, the top-k reduce after
+                invoke_moe_gemm(a2q, w2, output.view(m * topk, k), replace(cfg.down, block_m=16), gated=False,
+                                routing=DirectRouting(topk_ids, global_num_experts, expert_map, 1), scales=scales,
+                                bias=w2_bias)
             return
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
             topk_ids, cfg.block_m, global_num_experts, expert_map, num_local_experts=w1.shape[0]
