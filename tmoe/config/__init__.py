@@ -15,6 +15,7 @@ import torch
 
 from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
 from tmoe.kernels.common import cdiv
+from tmoe.kernels.gemm_args import sm_count
 from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
 from tmoe.kernels.pdl import override_pdl, pdl_requested
 
@@ -140,18 +141,13 @@ def use_slot_route(m: int) -> bool:
     return 0 < m <= SLOT_ROUTE_MAX_TOKENS
 
 
-@functools.lru_cache(maxsize=None)
-def _cuda_sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def direct_down_config(cfg: MoEConfig, m: int, k: int, device: torch.device,
                        block_shape: tuple[int, int] | None = None) -> GemmConfig:
     """Tiles of the decode path's down GEMM (output (m, k)): the table's ``direct_down``, else
     the widest block_n that still gives two programs per SM (one program per token and block)."""
     if cfg.direct_down is not None:
         return cfg.direct_down
-    sms = _cuda_sm_count(device.index) if device.type == "cuda" else 1
+    sms = sm_count(device) if device.type == "cuda" else 1
     bn = next((b for b in (64, 32) if m * cdiv(k, b) >= 2 * sms), 16)
     bk = min(128, block_shape[1]) if block_shape else 128
     return GemmConfig(16, bn, bk, num_warps=4, num_stages=4)

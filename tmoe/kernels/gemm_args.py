@@ -65,6 +65,11 @@ def fit_low_bit(config: GemmConfig, scales: Scales | WeightScales | None) -> Gem
     return replace(config, tma=False, persistent=False)
 
 
+def _index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device when it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _sm90(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
@@ -78,7 +83,7 @@ def asm_unpack(scales: Scales | WeightScales | None, a: torch.Tensor, config: Ge
         return False
     if INTERPRETED or a.device.type != "cuda" or (config.block_k // 2) * tile_n < 4 * 32 * config.num_warps:
         return False
-    return _sm90(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    return _sm90(_index(a.device))
 
 
 def scale_args(
@@ -147,7 +152,7 @@ def shared_memory_budget(device: torch.device) -> int:
     device index; SHARED_MEMORY_BUDGET off a GPU."""
     if device.type != "cuda":
         return SHARED_MEMORY_BUDGET
-    return _device_budget(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_budget(_index(device))
 
 
 def fit_shared_memory(
@@ -175,6 +180,11 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device``, read once per device index."""
+    return _sm_count(_index(device))
+
+
 INTERPRETER_PROGRAMS = 4  # persistent programs under the interpreter: few, so each walks several tiles
 
 
@@ -183,7 +193,7 @@ def persistent_programs(device: torch.device, num_tiles: int) -> int:
     SM count read once per device index; INTERPRETER_PROGRAMS off a GPU."""
     if device.type != "cuda" or INTERPRETED:
         return min(INTERPRETER_PROGRAMS, num_tiles)
-    return min(_sm_count(device.index if device.index is not None else torch.cuda.current_device()), num_tiles)
+    return min(sm_count(device), num_tiles)
 
 
 def persistent_epilogue_bytes(config: GemmConfig, out_elem_size: int) -> int:
