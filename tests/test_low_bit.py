@@ -289,11 +289,15 @@ def test_low_bit_model_shapes_and_graph_replay(scheme):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["int4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_asm_unpack_every_code(scheme, dtype):
-    """sm_90: the PTX unpacking (``dequant.packed_values``) on random bytes (all 256 occur in
-    every expert) in both 16-bit activation dtypes, on forced tiles that take it, against the
-    reference on the dequantized weights: any wrong code value or lane order fails."""
+def test_asm_unpack_every_code(scheme, dtype, monkeypatch):
+    """sm_90: the PTX unpacking (``dequant.packed_values``, and the scaled ``scaled_int4_values`` /
+    ``scaled_e2m1_values`` of multi-group K steps) on random bytes (all 256 occur in every expert;
+    int4 with random zero points) in both 16-bit activation dtypes, on forced tiles that take it,
+    against the reference on the dequantized weights, and bit-identical to the int32 path: any
+    wrong code value, zero point, scale or lane order fails."""
+    from tmoe.kernels import gemm_args
     from tmoe.kernels.gemm_args import WeightScales, asm_unpack
+    from tmoe.kernels.launch import clear_launch_caches
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the PTX unpacking needs sm_90")
@@ -302,27 +306,37 @@ def test_asm_unpack_every_code(scheme, dtype):
     codes = lambda rows, cols: torch.randint(0, 256, (e, rows, cols // 2), device="cuda", generator=g,  # noqa: E731
                                              dtype=torch.uint8)
     q1, q2 = codes(2 * n, k), codes(k, n)
+    z1 = z2 = None
     if scheme == "int4":
         s1 = torch.rand(e, 2 * n, k // group, device="cuda", generator=g).to(dtype) / (8 * k**0.5)
         s2 = torch.rand(e, k, n // group, device="cuda", generator=g).to(dtype) / (8 * n**0.5)
-        d1, d2 = (dequantize_int_reference(q, s, None, group, 4) for q, s in ((q1, s1), (q2, s2)))
+        z1 = torch.randint(0, 256, (e, n, k // group), device="cuda", generator=g, dtype=torch.uint8)
+        z2 = torch.randint(0, 256, (e, k // 2, n // group), device="cuda", generator=g, dtype=torch.uint8)
+        d1, d2 = (dequantize_int_reference(q, s, z, group, 4) for q, s, z in ((q1, s1, z1), (q2, s2, z2)))
     else:
         s1 = torch.randint(120, 124, (e, 2 * n, k // group), device="cuda", generator=g, dtype=torch.uint8)
         s2 = torch.randint(120, 124, (e, k, n // group), device="cuda", generator=g, dtype=torch.uint8)
         d1, d2 = (dequantize_mxfp4_reference(q, s) for q, s in ((q1, s1), (q2, s2)))
     x = torch.randn(64, k, device="cuda", dtype=dtype)
     cfg = tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=group)
-    for block_k in (group, 4 * group):  # one group per K step; four (bf16 mxfp4: scaled in the PTX)
+    real = gemm_args.asm_unpack
+    for block_k in (group, 4 * group):  # one group per K step; four (scales, zero points in the PTX)
         tiles = tmoe.GemmConfig(16, 64, block_k, num_warps=4, num_stages=2)
-        assert asm_unpack(WeightScales(scheme, s1, None, group), x, tiles, tiles.block_n)
+        assert asm_unpack(WeightScales(scheme, s1, z1, group), x, tiles, tiles.block_n)
         for m in (1, 64):
             weights, ids = torch.topk(torch.randn(m, e, device="cuda", generator=g).softmax(-1), topk)
             for route in ("sorted", "direct"):
-                with tmoe.override_config(tmoe.MoEConfig(tiles, tiles, tiles)), tmoe.override_route(route):
-                    out = tmoe.fused_experts(x[:m], q1, q2, weights, ids, quant_config=cfg, w1_scale=s1,
-                                             w2_scale=s2)
-                ref = moe_reference(x[:m], d1, d2, weights, ids)
-                assert_close(out, ref, dtype, name=f"{scheme} {dtype} block_k={block_k} M={m} {route}")
+                outs = []
+                for unpack in (real, lambda *args: False):  # the PTX, then the int32 path
+                    monkeypatch.setattr(gemm_args, "asm_unpack", unpack)
+                    clear_launch_caches()
+                    with tmoe.override_config(tmoe.MoEConfig(tiles, tiles, tiles)), tmoe.override_route(route):
+                        outs.append(tmoe.fused_experts(x[:m], q1, q2, weights, ids, quant_config=cfg, w1_scale=s1,
+                                                       w2_scale=s2, w1_zp=z1, w2_zp=z2))
+                name = f"{scheme} {dtype} block_k={block_k} M={m} {route}"
+                assert_close(outs[0], moe_reference(x[:m], d1, d2, weights, ids), dtype, name=name)
+                assert torch.equal(outs[0], outs[1]), f"{name}: the PTX and int32 paths differ"
+    clear_launch_caches()
 
 
 def _gpt_oss_checkpoint(e: int, h: int, i: int):

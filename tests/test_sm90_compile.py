@@ -100,7 +100,8 @@ SCRIPT = textwrap.dedent("""
     mma = lambda ptx: "mma.sync" if "mma.sync" in ptx or "wgmma" not in ptx else "regA" if re.search(reg_a, ptx) else "wgmma"
     print(" ".join(sorted({f"{q}:{mma(ptx)}" for q, ptx in swapped})))
     # the PTX unpacking of packed 4-bit codes (a GPU picks it from its device; forced here): one-group
-    # K steps in bf16 and fp16, and a bf16 mxfp4 step over two groups (scales multiplied in the PTX)
+    # K steps in bf16 and fp16, and steps over two groups (bf16 mxfp4, bf16/fp16 int4 with zero points:
+    # scales multiplied, zero points subtracted in the PTX)
     from tmoe.kernels import gemm_args
     from tmoe.kernels.launch import clear_launch_caches
     gemm_args.asm_unpack = lambda scales, a, config, tile_n: (
@@ -108,7 +109,8 @@ SCRIPT = textwrap.dedent("""
     clear_launch_caches()
     unpacked = []
     for scheme, dtype, groups in (("int4", torch.bfloat16, 1), ("int4", torch.float16, 1), ("mxfp4", torch.bfloat16, 1),
-                                  ("mxfp4", torch.float16, 1), ("mxfp4", torch.bfloat16, 2)):
+                                  ("mxfp4", torch.float16, 1), ("mxfp4", torch.bfloat16, 2), ("int4", torch.bfloat16, 2),
+                                  ("int4", torch.float16, 2)):
         g = 32 if scheme == "mxfp4" else 128
         w1, w2 = p.w1.to(dtype), p.w2.to(dtype)
         if scheme == "mxfp4":
@@ -123,9 +125,10 @@ SCRIPT = textwrap.dedent("""
         with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(tiles, tiles)):
             tmoe.fused_experts(p.x.to(dtype), q1, q2, p.topk_weights, p.topk_ids, **low_bit)
         gemms = [ptx for name, ptx, _ in compiled if name == "_moe_gemm_kernel"]
-        mul = "mul.rn.bf16x2" if dtype == torch.bfloat16 else "mul.rn.f16x2"
-        ok = len(gemms) == 2 and all("prmt.b32" in ptx and "lop3.b32" in ptx and (scheme == "int4" or mul in ptx)
-                                     for ptx in gemms)
+        mul, sub = ("mul.rn.bf16x2", "sub.rn.bf16x2") if dtype == torch.bfloat16 else ("mul.rn.f16x2", "sub.rn.f16x2")
+        scaled = scheme == "mxfp4" or groups > 1  # int4 over several groups: minus zero points, times scales
+        ok = len(gemms) == 2 and all("prmt.b32" in ptx and "lop3.b32" in ptx and (not scaled or mul in ptx)
+                                     and (scheme == "mxfp4" or groups == 1 or sub in ptx) for ptx in gemms)
         unpacked.append(f"{scheme}-{str(dtype)[6:]}-{groups}:{'ok' if ok else 'missing'}")
     print(" ".join(unpacked))
     # the PDL variants of the decode-path kernels (programmatic dependent launch)
@@ -178,8 +181,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert tma_loads > 0 and wgmma > 0, "the TMA and wgmma paths must be compiled too"
     assert swap.split() == ["block:wgmma", "int4:regA", "mxfp4:regA", "none:wgmma"], \
         f"swap_ab GEMMs must use wgmma only, low-bit weights from registers: {swap}"
-    assert all(u.endswith(":ok") for u in unpacked.split()) and len(unpacked.split()) == 5, \
-        f"the 4-bit GEMMs must compile the PTX unpacking (prmt, lop3; mxfp4 its 16x2 multiply): {unpacked}"
+    assert all(u.endswith(":ok") for u in unpacked.split()) and len(unpacked.split()) == 7, \
+        f"the 4-bit GEMMs must compile the PTX unpacking (prmt, lop3; mxfp4 and multi-group int4 their 16x2 " \
+        f"multiply, int4 its subtract): {unpacked}"
     assert pdl_names.split() == sorted(PDL_KERNELS), "with override_pdl(True) these launch with PDL and wait"
     assert mismatched == "-", f"launched with PDL but no griddepcontrol (or the reverse): {mismatched}"
     assert not_late == "-", f"these trigger their dependents before their wait or inside the K loop: {not_late}"

@@ -18,7 +18,9 @@ build their values with PTX on four packed bytes at a time, each 32-bit operatio
 values (Marlin's trick): ``prmt`` spreads two bytes into the 16-bit lanes, one ``lop3`` makes
 OFFSET + q (int4), and e2m1 is placed into the lanes as a subnormal-aware 16-bit pattern times an
 exact power of two (bf16: e2m1 * 2^-126, times 2^126; fp16: e2m1 * 2^-14, times 2^14). About one
-instruction per int4 value and three per e2m1 value instead of four and eleven.
+instruction per int4 value and three per e2m1 value instead of four and eleven. Steps over several
+groups scale in the PTX too (bf16 mxfp4: times the e8m0 scale; int4 with scales in the activation
+dtype: minus OFFSET + zp, exact, then times the scale, rounded once as the int32 path rounds).
 
 SWAP_AB: the same values and scales, each dot taken transposed (``oriented_dot``), so the
 accumulator is [BN, BM] and per-column factors of B ([1, BN]) apply as [BN, 1] (``per_column``)."""
@@ -28,10 +30,13 @@ import triton.language as tl
 
 def _unpack_asm(quant: str, dtype: str, scaled: bool = False) -> str:
     """PTX of ``packed_values`` for pack=4: $4 holds bytes b0..b3; $0/$1 the low-nibble values of
-    (b0, b1)/(b2, b3), $2/$3 the high-nibble ones, first element in the low 16 bits. ``scaled``
-    (e2m1, bf16): each pair times its bf16 scales, $5 (b0, b1) and $6 (b2, b3)."""
-    lines = ["{", ".reg .b32 t0, t1, z, v, s, c, s01, s23;", "mov.b32 z, 0;",
+    (b0, b1)/(b2, b3), $2/$3 the high-nibble ones, first element in the low 16 bits. ``scaled``:
+    each pair times its scales, $5 (b0, b1) and $6 (b2, b3) (e2m1: bf16 only); int4 first minus its
+    OFFSET + zero point pairs, $7 and $8, so the values are (q - zp) * s, rounded once."""
+    mul, sub = ("mul.rn.bf16x2", "sub.rn.bf16x2") if dtype == "bf16" else ("mul.rn.f16x2", "sub.rn.f16x2")
+    lines = ["{", ".reg .b32 t0, t1, z, v, s, c, s01, s23, z01, z23;", "mov.b32 z, 0;",
              *(["mov.b32 s01, $5;", "mov.b32 s23, $6;"] if scaled else []),  # read before any output is written
+             *(["mov.b32 z01, $7;", "mov.b32 z23, $8;"] if scaled and quant == "int4" else []),
              "prmt.b32 t0, $4, z, 0x4140;", "prmt.b32 t1, $4, z, 0x4342;"]  # bytes (b0, 0, b1, 0), (b2, 0, b3, 0)
     if quant == "int4":
         lines.append(f"mov.b32 c, {'0x43004300' if dtype == 'bf16' else '0x64006400'};")  # 128.0 / 1024.0
@@ -39,9 +44,11 @@ def _unpack_asm(quant: str, dtype: str, scaled: bool = False) -> str:
             if shift:
                 lines.append(f"shr.b32 {src}, {src}, {shift};")
             lines.append(f"lop3.b32 {out}, {src}, 0x000F000F, c, 0xEA;")  # (src & mask) | c
+            if scaled:  # OFFSET + q - (OFFSET + zp) is exact; the product is rounded once
+                pair = "01" if src == "t0" else "23"
+                lines += [f"{sub} {out}, {out}, z{pair};", f"{mul} {out}, {out}, s{pair};"]
     else:  # e2m1: magnitude bits 2-0 to the 16-bit lane's low exponent and top mantissa bits, sign bit 3 to 15
-        mag_shift, mask, scale, mul = ((6, "0x01C001C0", "0x7E807E80", "mul.rn.bf16x2") if dtype == "bf16"
-                                       else (9, "0x0E000E00", "0x74007400", "mul.rn.f16x2"))
+        mag_shift, mask, scale = (6, "0x01C001C0", "0x7E807E80") if dtype == "bf16" else (9, "0x0E000E00", "0x74007400")
         lines.append(f"mov.b32 c, {scale};")  # 2^126 (bf16) or 2^14 (fp16) in both lanes
         for out, src, nibble in (("$0", "t0", 0), ("$1", "t1", 0), ("$2", "t0", 4), ("$3", "t1", 4)):
             lines += [f"shl.b32 v, {src}, {mag_shift - nibble};", f"shl.b32 s, {src}, {12 - nibble};",
@@ -56,6 +63,8 @@ _INT4_FP16 = tl.constexpr(_unpack_asm("int4", "fp16"))
 _MXFP4_BF16 = tl.constexpr(_unpack_asm("mxfp4", "bf16"))
 _MXFP4_FP16 = tl.constexpr(_unpack_asm("mxfp4", "fp16"))
 _MXFP4_BF16_SCALED = tl.constexpr(_unpack_asm("mxfp4", "bf16", scaled=True))
+_INT4_BF16_SCALED = tl.constexpr(_unpack_asm("int4", "bf16", scaled=True))
+_INT4_FP16_SCALED = tl.constexpr(_unpack_asm("int4", "fp16", scaled=True))
 
 
 @triton.jit
@@ -163,6 +172,20 @@ def scaled_e2m1_values(q, s):
 
 
 @triton.jit
+def scaled_int4_values(q, s, zp):
+    """(low-nibble, high-nibble) values (q - zp) * s in s's dtype (bfloat16 or float16) of packed
+    int4 codes q [R, C] uint8; s [R, C] the scales, zp [R, C] OFFSET + zero point (``code_offset``),
+    both in that dtype, by PTX (sm_90): bit-identical to float32 (q - zp) * s rounded to it."""
+    if s.dtype == tl.bfloat16:
+        lo, hi = tl.inline_asm_elementwise(_INT4_BF16_SCALED, "=r,=r,=r,=r,r,r,r,r,r", [q, s, zp],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(_INT4_FP16_SCALED, "=r,=r,=r,=r,r,r,r,r,r", [q, s, zp],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
 def code_offset(DTYPE: tl.constexpr):
     """The OFFSET of ``code_values``' integer codes in DTYPE."""
     if DTYPE == tl.float32:
@@ -255,6 +278,10 @@ def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_z
         zp = _repeat_rows(zp, ROWS)
         if ASM_UNPACK and QUANT == "mxfp4" and a.dtype == tl.bfloat16:  # powers of two: exact in bf16
             lo, hi = scaled_e2m1_values(q, s.to(tl.bfloat16))  # [BK/2, BN] each
+            acc = oriented_dot(a_even, lo, acc, SWAP_AB, PRECISION)
+            acc = oriented_dot(a_odd, hi, acc, SWAP_AB, PRECISION)
+        elif ASM_UNPACK and QUANT == "int4" and s_ptrs.dtype.element_ty == a.dtype:  # scales exact in a.dtype
+            lo, hi = scaled_int4_values(q, s.to(a.dtype), (zp.to(tl.float32) + code_offset(a.dtype)).to(a.dtype))
             acc = oriented_dot(a_even, lo, acc, SWAP_AB, PRECISION)
             acc = oriented_dot(a_odd, hi, acc, SWAP_AB, PRECISION)
         elif PACKED:

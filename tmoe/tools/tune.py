@@ -48,6 +48,9 @@ FP8_LARGE_TILES = [(64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3), (128, 128
 # the decode path's down GEMM: one program per (token, block_n columns), so narrow tiles
 DIRECT_DOWN_TILES = [(16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 128, 4, 6), (32, 128, 4, 4),
                      (32, 128, 4, 5), (32, 256, 4, 3), (64, 128, 4, 4)]
+# low-bit: K steps over two 128 groups (scales and zero points applied in the PTX unpacking on sm_90)
+LOW_BIT_SMALL_TILES = [(128, 256, 4, 3)]
+LOW_BIT_LARGE_TILES = [(64, 256, 4, 3)]
 QUANTS = {"none": None, "fp8_block": (128, 128), "fp8_token": None}
 LOW_BIT = {"int4": GROUP_SIZE, "int8": GROUP_SIZE, "mxfp4": 32}  # weight-only schemes and their group sizes
 TABLE_DTYPES = {"fp8_block": "fp8_w8a8", "fp8_token": "fp8_w8a8", "int4": "int4_w4a16", "int8": "int8_w8a16",
@@ -72,7 +75,7 @@ def candidates(block_m: int, gated: bool, quant: str = "none",
     """Tile configs to time; ``tma`` None: pointer loads, and TMA weight tiles too from block_m 64
     (on smaller tiles TMA was within 1% in the H200 retune)."""
     if quant in LOW_BIT:  # each tile, and with block_k capped at the group (one scale per K step); no TMA
-        tiles = SMALL_TILES if block_m <= 32 else LARGE_TILES
+        tiles = (SMALL_TILES + LOW_BIT_SMALL_TILES) if block_m <= 32 else (LARGE_TILES + LOW_BIT_LARGE_TILES)
         tiles = sorted(set(tiles) | {(bn, min(bk, LOW_BIT[quant]), w, s) for bn, bk, w, s in tiles})
         return [GemmConfig(block_m, bn, bk, 8, w, s) for bn, bk, w, s in tiles if not (gated and bn > 128)]
     if quant == "none":
