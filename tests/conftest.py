@@ -20,6 +20,9 @@ settings.load_profile("ci")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: one torch thread per worker, the workers fill the cores
+    torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
