@@ -163,7 +163,8 @@ def get_config(
     shipped tables) > heuristic. ``quant`` names the table's dtype suffix (``fp8_w8a8``,
     ``int4_w4a16``, ``int8_w8a16``, ``mxfp4_w4a16``); ``block_shape`` (block quantization) names
     the table too and caps block_k at the group; ``group_size`` (low-bit weights) caps the
-    heuristic's block_k (the launchers cap any config's). Lookups are cached per key.
+    heuristic's block_k (a table's or override's block_k may span several groups:
+    ``dequant.dequant_dot``). Lookups are cached per key.
     """
     if _OVERRIDE:
         return _OVERRIDE[-1]
