@@ -44,9 +44,10 @@ def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | Non
     up_tma = block_k_cap is not None and bm >= 64
     down_tma = up_tma or bm >= 128
     if group_size is not None:
-        # weight-only low-bit: one scale group per K step, pointer loads (the kernel unpacks bytes);
-        # decode keeps block_m 16 (the tiles above), the weights stream at 1/4 (1/2) the bf16 bytes
-        bk, up_tma, down_tma = min(bk, group_size), False, False
+        # weight-only low-bit: pointer loads (the kernel unpacks bytes); block_k as above whatever the
+        # group, because the tuned H200 tables pick K steps over several groups at mxfp4's group 32 in
+        # 47 of 48 GEMMs (block_k 64-256), with the int32 unpacking (d712828) and with the PTX one
+        up_tma = down_tma = False
     up = GemmConfig(bm, up_bn, bk, num_warps=warps, num_stages=stages, tma=up_tma)
     down = GemmConfig(bm, min(2 * bn, 128) if bm <= 32 else bn, bk, num_warps=warps, num_stages=stages, tma=down_tma)
     return MoEConfig(up, down)
@@ -162,9 +163,9 @@ def get_config(
     Order: ``override_config`` > tuned table (nearest M; ``TMOE_CONFIG_DIR`` first, then the
     shipped tables) > heuristic. ``quant`` names the table's dtype suffix (``fp8_w8a8``,
     ``int4_w4a16``, ``int8_w8a16``, ``mxfp4_w4a16``); ``block_shape`` (block quantization) names
-    the table too and caps block_k at the group; ``group_size`` (low-bit weights) caps the
-    heuristic's block_k (a table's or override's block_k may span several groups:
-    ``dequant.dequant_dot``). Lookups are cached per key.
+    the table too and caps block_k at the group; ``group_size`` (low-bit weights) turns the
+    heuristic's TMA off (any block_k runs, over one group or several: ``dequant.dequant_dot``).
+    Lookups are cached per key.
     """
     if _OVERRIDE:
         return _OVERRIDE[-1]
