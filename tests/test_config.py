@@ -101,3 +101,23 @@ def test_low_bit_tables_are_named_and_found(tmp_path, monkeypatch):
         quant = TABLE_DTYPES[scheme]
         assert get_config(8, 5, 40, 64, 2, dev, quant=quant, group_size=group) == tuned
     assert get_config(8, 5, 40, 64, 2, dev, group_size=32) != tuned  # bf16's name: no table, heuristic
+
+
+def test_tune_variant_candidates():
+    """The tuner's --tma / --swap / --persistent candidates: each of its kind and valid, none of the
+    TMA kinds for low-bit codes, and the CLI refuses those and mixed flags before touching a GPU."""
+    from tmoe.tools.tune import main, variant_candidates
+
+    for block_m, gated in ((16, True), (64, False)):
+        swap = variant_candidates(block_m, gated, "none", "swap")
+        assert swap and all(c.swap_ab and not c.tma and c.block_n >= 64 and c.block_m == block_m for c in swap)
+        persistent = variant_candidates(block_m, gated, "fp8_block", "persistent")
+        assert persistent and all(c.persistent and c.tma and c.block_k <= 128 for c in persistent)
+        assert all(c.tma and not c.persistent for c in variant_candidates(block_m, gated, "none", "tma"))
+    assert all(c.swap_ab and not c.tma for c in variant_candidates(64, True, "int4", "swap"))
+    with pytest.raises(ValueError, match="load by pointers"):
+        variant_candidates(64, True, "mxfp4", "persistent")
+    for argv in (["--quant", "int4", "--persistent"], ["--quant", "mxfp4", "--tma"], ["--tma", "--swap"],
+                 ["--direct", "--persistent"]):
+        with pytest.raises(SystemExit):
+            main(["--shape", "qwen3", *argv])

@@ -10,8 +10,10 @@ an interrupted run resumes. Weight-only low-bit (``--quant int4|int8|mxfp4``): w
 above and at most the group (two dequantization paths), pointer loads only; tables named
 ``dtype=int4_w4a16`` etc. ``--direct`` tunes the decode path's down GEMM (fused top-k
 reduce) at the given M values of an existing table, adding ``direct_down`` to those rows.
-``--tma`` times the rows of an existing table at the given M values against the TMA-weight
-candidates of the same block_m and keeps the fastest; it can be run again (not resumable).
+``--tma`` / ``--swap`` / ``--persistent`` time the rows of an existing table at the given M
+values against the TMA-weight, ``swap_ab`` or persistent (TMA) candidates of the same block_m and
+keep the fastest; they can be run again (not resumable). Low-bit codes load by pointers, so
+``--tma`` and ``--persistent`` are for bf16 and fp8 tables.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ DIRECT_DOWN_TILES = [(16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 128
 LOW_BIT_SMALL_TILES = [(128, 256, 4, 3)]
 LOW_BIT_LARGE_TILES = [(64, 256, 4, 3)]
 QUANTS = {"none": None, "fp8_block": (128, 128), "fp8_token": None}
+VARIANTS = ("tma", "swap", "persistent")  # --tma / --swap / --persistent
 LOW_BIT = {"int4": GROUP_SIZE, "int8": GROUP_SIZE, "mxfp4": 32}  # weight-only schemes and their group sizes
 TABLE_DTYPES = {"fp8_block": "fp8_w8a8", "fp8_token": "fp8_w8a8", "int4": "int4_w4a16", "int8": "int8_w8a16",
                 "mxfp4": "mxfp4_w4a16"}
@@ -194,17 +197,30 @@ def tune_m(m: int, p: Problem) -> tuple[MoEConfig, float]:
     return best
 
 
-def tune_tma(m: int, p: Problem, row: MoEConfig) -> tuple[MoEConfig, float]:
-    """The table row at ``m`` against the TMA-weight candidates at its block_m: the fastest up and
+def variant_candidates(block_m: int, gated: bool, quant: str, kind: str) -> list[GemmConfig]:
+    """``kind`` ("tma", "swap", "persistent") tiles at ``block_m``: TMA weight tiles, ``swap_ab``
+    pointer tiles (block_n >= 64), or persistent TMA tiles. Low-bit codes take only "swap"."""
+    if kind not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {kind!r}")
+    if kind == "swap":
+        return [replace(c, swap_ab=True) for c in candidates(block_m, gated, quant, tma=(False,)) if c.block_n >= 64]
+    if quant in LOW_BIT:
+        raise ValueError(f"{quant} weights load by pointers: no {kind} tiles")
+    tiles = candidates(block_m, gated, quant, tma=(True,))
+    return [replace(c, persistent=True) for c in tiles] if kind == "persistent" else tiles
+
+
+def tune_variant(m: int, p: Problem, row: MoEConfig, kind: str) -> tuple[MoEConfig, float]:
+    """The table row at ``m`` against the ``kind`` candidates at its block_m: the fastest up and
     down configs (the row's own among them) and their summed time in µs."""
     run_up, run_down = _gemm_runs(m, p, row.block_m)
     picked, total = [], 0.0
     for name, own, run, gated in (("up", row.up, run_up, True), ("down", row.down, run_down, False)):
         t_own, _ = _fastest([own], run)
-        t_tma, best_tma = _fastest(candidates(own.block_m, gated, p.quant, tma=(True,)), run)
-        print(f"    {name}: table {t_own:.1f} us, best TMA {t_tma:.1f} us ({best_tma})", flush=True)
-        picked.append(best_tma if t_tma < t_own else own)
-        total += min(t_own, t_tma)
+        t_new, best = _fastest(variant_candidates(own.block_m, gated, p.quant, kind), run)
+        print(f"    {name}: table {t_own:.1f} us, best {kind} {t_new:.1f} us ({best})", flush=True)
+        picked.append(best if t_new < t_own else own)
+        total += min(t_own, t_new)
     return replace(row, up=picked[0], down=picked[1]), total
 
 
@@ -233,7 +249,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=str(SHIPPED_CONFIGS))
     ap.add_argument("--direct", action="store_true", help="add decode-path down tiles to the table's rows")
     ap.add_argument("--tma", action="store_true", help="time the table's rows against TMA-weight tiles, keep the fastest")
+    ap.add_argument("--swap", action="store_true", help="time the table's rows against swap_ab tiles, keep the fastest")
+    ap.add_argument("--persistent", action="store_true", help="the same against persistent TMA tiles")
     args = ap.parse_args(argv)
+    kinds = [kind for kind in VARIANTS if getattr(args, kind)]
+    if len(kinds) > 1 or (kinds and args.direct):
+        ap.error("give at most one of --direct, --tma, --swap, --persistent")
+    kind = kinds[0] if kinds else None
+    if kind in ("tma", "persistent") and args.quant in LOW_BIT:
+        ap.error(f"--{kind}: {args.quant} weights load by pointers (no TMA tiles)")
     e, n, k, topk = SHAPES.get(args.shape) or tuple(int(v) for v in args.shape.split(","))
     path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")),
                                              TABLE_DTYPES.get(args.quant), QUANTS.get(args.quant))
@@ -251,11 +275,11 @@ def main(argv: list[str]) -> int:
             save_table(path, table)
             print(f"[{i + 1}/{len(ms)}] M={m}: direct down {us:.1f} us {cfg}", flush=True)
             continue
-        if args.tma:
+        if kind:
             if m not in table:
                 print(f"[{i + 1}/{len(ms)}] M={m}: no row", flush=True)
                 continue
-            table[m], us = tune_tma(m, problem, table[m])
+            table[m], us = tune_variant(m, problem, table[m], kind)
             save_table(path, table)
             print(f"[{i + 1}/{len(ms)}] M={m}: {us:.1f} us  up={table[m].up} down={table[m].down}", flush=True)
             continue
