@@ -21,38 +21,23 @@ KERNELS = (
 # launched with launch_pdl and compiled with gdc_wait / gdc_launch_dependents under override_pdl(True)
 PDL_KERNELS = sorted(set(KERNELS) - {"_batched_dispatch_kernel", "_topk_route_kernel", "_zero_kernel"})
 
-# A stand-in CUDA driver reports an sm_90 device; launches only compile (warmup), so no kernel runs.
+# tmoe.testing.sm90: a stand-in CUDA driver reports an sm_90 device; launches only compile, nothing runs.
 SCRIPT = textwrap.dedent("""
     import re
 
     import torch
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.driver import CudaDriver
-    from triton.runtime.driver import driver
-    from triton.runtime.jit import JITFunction
 
-    class Sm90(CudaDriver):
-        def __init__(self):
-            self.get_current_device = lambda: 0
-            self.get_current_stream = lambda device=None: 0
-            self.get_device_capability = lambda device=None: (9, 0)
+    from tmoe.testing.sm90 import compile_only_sm90
 
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    driver.set_active(Sm90())
     compiled = []
     swapped = []  # (QUANT, ptx) of the swap_ab GEMMs
-    run = JITFunction.run
 
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append((self.fn.__name__, kernel.asm["ptx"], kernel.metadata.launch_pdl))
+    def record(name, kwargs, kernel):
+        compiled.append((name, kernel.asm["ptx"], kernel.metadata.launch_pdl))
         if kwargs.get("SWAP_AB"):
             swapped.append((kwargs["QUANT"], kernel.asm["ptx"]))
-        return kernel
 
-    JITFunction.run = compile_only
+    compile_only_sm90(record)
 
     import tmoe
     from tmoe.testing.strategies import MoEShape, make_problem

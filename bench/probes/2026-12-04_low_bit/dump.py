@@ -2,38 +2,17 @@
 (registers: cuobjdump --dump-resource-usage dump_out/up.cubin; SASS: cuobjdump -sass).
 usage: TRITON_INTERPRET=0 python dump.py bf16|int4|mxfp4 bm bn bk warps stages [swap] [zp] [down] [noasm]
 (the 4-bit PTX unpacking is forced on unless noasm; down: the down GEMM instead of the up one)"""
-import sys, pathlib
+import pathlib
+import sys
+
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.driver import CudaDriver
-from triton.runtime.driver import driver
-from triton.runtime.jit import JITFunction
 
+import tmoe
+from tmoe.kernels import gemm_args
+from tmoe.testing.sm90 import compile_only_sm90
 
-class Sm90(CudaDriver):
-    def __init__(self):
-        self.get_current_device = lambda: 0
-        self.get_current_stream = lambda device=None: 0
-        self.get_device_capability = lambda device=None: (9, 0)
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-driver.set_active(Sm90())
-run = JITFunction.run
-seen = []
-
-
-def compile_only(self, *args, grid, warmup, **kwargs):
-    k = run(self, *args, grid=grid, warmup=True, **kwargs)
-    seen.append((self.fn.__name__, k))
-    return k
-
-
-JITFunction.run = compile_only
-import tmoe  # noqa
-from tmoe.kernels import gemm_args  # noqa
+seen = []  # (kernel name, CompiledKernel) of each launch
+compile_only_sm90(lambda name, kwargs, kernel: seen.append((name, kernel)))
 scheme, bm, bn, bk, nw, ns = sys.argv[1], *map(int, sys.argv[2:7])
 swap = "swap" in sys.argv[7:]
 zp = "zp" in sys.argv[7:]

@@ -1,0 +1,35 @@
+"""Compile Triton kernels for Hopper (sm_90) without a GPU, to read what the compiler makes of them
+(PTX, TTGIR, cubin): a stand-in CUDA driver reports an sm_90 device, and every JIT launch only
+compiles (``warmup``), so nothing runs. For tests and probes; once per process, before any launch."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def compile_only_sm90(on_compile: Callable[[str, dict, Any], None]) -> None:
+    """Make the active Triton driver an sm_90 stand-in and every launch compile-only, calling
+    ``on_compile(kernel name, launch keyword arguments, CompiledKernel)`` for each (the compiled
+    kernel's ``asm`` holds "ttgir", "ptx" and "cubin")."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.driver import CudaDriver
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90(CudaDriver):
+        def __init__(self):
+            self.get_current_device = lambda: 0
+            self.get_current_stream = lambda device=None: 0
+            self.get_device_capability = lambda device=None: (9, 0)
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    driver.set_active(Sm90())
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        on_compile(self.fn.__name__, kwargs, kernel)
+        return kernel
+
+    JITFunction.run = compile_only
