@@ -32,6 +32,14 @@ from tmoe.kernels.launch import launch
 from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from tmoe.kernels.plan import Launch, planned
 
+@triton.jit
+def _sorted_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
+    """(slots [BM] int64, mask_m [BM], expert int64) of aligned row block ``pid_m``: its slot ids as
+    the align stage sorted them (padding ids, >= num_slots, masked) and its expert (-1: remote)."""
+    slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return slots, slots < num_slots, tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+
+
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_gemm_kernel(
     a_ptr,  # Standard: [rows, K]; Batched: [E, cap, K]
@@ -72,9 +80,7 @@ def _moe_gemm_kernel(
         num_valid_m = tl.load(num_post_padded_ptr) // BLOCK_M
         for tile in range(tl.program_id(0), num_valid_m * num_pid_n, tl.num_programs(0)):
             pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
-            slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # [BM]
-            mask_m = slots < num_slots
-            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+            slots, mask_m, expert = _sorted_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, BLOCK_M)
             offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
             mask_n = offs_n < N
             out_ptrs = out_ptr + slots[:, None] * stride_om + offs_n[None, :] * stride_on  # [BM, BN]
@@ -90,10 +96,11 @@ def _moe_gemm_kernel(
                     K, stride_ak, stride_ask, stride_wsn, stride_wsk,
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, EVEN_K, PRECISION,
                 )  # [BM, BN] float32 each (up: MUL only)
-                moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptr + expert * stride_be + offs_n,
-                             topk_weights_ptr, out_scale_ptr + slots * stride_osm, pid_n, N, stride_osg, quant_eps,
-                             act_alpha, act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP,
-                             MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT)
+                bias_ptrs = bias_ptr + expert * stride_be + offs_n * (1 + INTERLEAVED)  # [BN] (INTERLEAVED: gate at 2n)
+                moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptrs, topk_weights_ptr,
+                             out_scale_ptr + slots * stride_osm, pid_n, N, stride_osg, quant_eps, act_alpha, act_limit,
+                             BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS,
+                             QUANT_OUT, GROUP_OUT)
         pdl_launch_dependents(USE_PDL)
     else:  # one program per output tile
         pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -120,9 +127,7 @@ def _moe_gemm_kernel(
             else:
                 if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
                     return
-                slots = tl.load(sorted_ids_ptr + pid_m.to(tl.int64) * BLOCK_M + offs_bm).to(tl.int64)  # [BM]
-                mask_m = slots < num_slots
-                expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+                slots, mask_m, expert = _sorted_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, BLOCK_M)
             a_rows = (slots // a_row_div) * stride_am
             out_rows = slots * stride_om
             scale_rows = (slots // a_row_div) * stride_asm
