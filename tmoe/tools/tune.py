@@ -247,17 +247,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--quant", default="none", choices=sorted(QUANTS) + sorted(LOW_BIT))
     ap.add_argument("--out", default=str(SHIPPED_CONFIGS))
-    ap.add_argument("--direct", action="store_true", help="add decode-path down tiles to the table's rows")
-    ap.add_argument("--tma", action="store_true", help="time the table's rows against TMA-weight tiles, keep the fastest")
-    ap.add_argument("--swap", action="store_true", help="time the table's rows against swap_ab tiles, keep the fastest")
-    ap.add_argument("--persistent", action="store_true", help="the same against persistent TMA tiles")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--direct", action="store_true", help="add decode-path down tiles to the table's rows")
+    mode.add_argument("--tma", action="store_true", help="time the table's rows against TMA-weight tiles, keep the fastest")
+    mode.add_argument("--swap", action="store_true", help="time the table's rows against swap_ab tiles, keep the fastest")
+    mode.add_argument("--persistent", action="store_true", help="the same against persistent TMA tiles")
     args = ap.parse_args(argv)
-    kinds = [kind for kind in VARIANTS if getattr(args, kind)]
-    if len(kinds) > 1 or (kinds and args.direct):
-        ap.error("give at most one of --direct, --tma, --swap, --persistent")
-    kind = kinds[0] if kinds else None
-    if kind in ("tma", "persistent") and args.quant in LOW_BIT:
-        ap.error(f"--{kind}: {args.quant} weights load by pointers (no TMA tiles)")
+    kind = next((kind for kind in VARIANTS if getattr(args, kind)), None)
+    if kind:
+        try:
+            variant_candidates(16, True, args.quant, kind)  # low-bit codes have no TMA kinds
+        except ValueError as err:
+            ap.error(f"--{kind}: {err}")
     e, n, k, topk = SHAPES.get(args.shape) or tuple(int(v) for v in args.shape.split(","))
     path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")),
                                              TABLE_DTYPES.get(args.quant), QUANTS.get(args.quant))
