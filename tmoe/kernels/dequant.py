@@ -276,18 +276,17 @@ def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_z
                               stride_zpk, mask, QUANT, HAS_ZP)  # [NG, BN]
         s = _repeat_rows(s, ROWS)  # [ROWS, BN]
         zp = _repeat_rows(zp, ROWS)
-        if ASM_UNPACK and QUANT == "mxfp4" and a.dtype == tl.bfloat16:  # powers of two: exact in bf16
-            lo, hi = scaled_e2m1_values(q, s.to(tl.bfloat16))  # [BK/2, BN] each
+        if PACKED:  # (low-nibble, high-nibble) values [BK/2, BN], scaled, in a.dtype
+            if ASM_UNPACK and QUANT == "mxfp4" and a.dtype == tl.bfloat16:  # powers of two: exact in bf16
+                lo, hi = scaled_e2m1_values(q, s.to(tl.bfloat16))
+            elif ASM_UNPACK and QUANT == "int4" and s_ptrs.dtype.element_ty == a.dtype:  # scales exact in a.dtype
+                lo, hi = scaled_int4_values(q, s.to(a.dtype), (zp.to(tl.float32) + code_offset(a.dtype)).to(a.dtype))
+            else:
+                q = q.to(tl.int32)
+                lo = _step_values(q & 0xF, zp, s, QUANT).to(a.dtype)
+                hi = _step_values(q >> 4, zp, s, QUANT).to(a.dtype)
             acc = oriented_dot(a_even, lo, acc, SWAP_AB, PRECISION)
             acc = oriented_dot(a_odd, hi, acc, SWAP_AB, PRECISION)
-        elif ASM_UNPACK and QUANT == "int4" and s_ptrs.dtype.element_ty == a.dtype:  # scales exact in a.dtype
-            lo, hi = scaled_int4_values(q, s.to(a.dtype), (zp.to(tl.float32) + code_offset(a.dtype)).to(a.dtype))
-            acc = oriented_dot(a_even, lo, acc, SWAP_AB, PRECISION)
-            acc = oriented_dot(a_odd, hi, acc, SWAP_AB, PRECISION)
-        elif PACKED:
-            q = q.to(tl.int32)
-            acc = oriented_dot(a_even, _step_values(q & 0xF, zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
-            acc = oriented_dot(a_odd, _step_values(q >> 4, zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
         else:
             acc = oriented_dot(a, _step_values(q.to(tl.int32), zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
     return acc
