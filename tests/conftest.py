@@ -59,14 +59,18 @@ def device():
     return DEVICE
 
 
+def _forced_route(name: str):
+    from tmoe.config import override_route
+
+    with override_route(name):
+        yield name
+
+
 @pytest.fixture(params=["sorted", "direct", "slots"])
 def route(request):
     """Run the test under each Standard-format path: aligned, decode (no align, the down GEMM
     sums each token's slots) and slots (no align, both GEMMs per slot); M alone would pick one."""
-    from tmoe.config import override_route
-
-    with override_route(request.param):
-        yield request.param
+    yield from _forced_route(request.param)
 
 
 @pytest.fixture(params=["sorted", "direct"])
@@ -74,7 +78,4 @@ def matrix_route(request):
     """The aligned and decode paths, for the large case matrices (tiles x dtypes x schemes); the
     slots path, whose two GEMMs are the decode path's up GEMM kind, runs every ``route`` test and
     the small-M cases of test_fused_experts (CI time)."""
-    from tmoe.config import override_route
-
-    with override_route(request.param):
-        yield request.param
+    yield from _forced_route(request.param)
