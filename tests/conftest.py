@@ -66,16 +66,19 @@ def _forced_route(name: str):
         yield name
 
 
-@pytest.fixture(params=["sorted", "direct", "slots"])
+@pytest.fixture(params=["sorted", "direct", "slots", "fused"])
 def route(request):
     """Run the test under each Standard-format path: aligned, decode (no align, the down GEMM
-    sums each token's slots) and slots (no align, both GEMMs per slot); M alone would pick one."""
+    sums each token's slots), slots (no align, both GEMMs per slot) and fused (both GEMMs per slot
+    and intermediate block in one kernel, then a reduce; fp8 layers take "sorted" there); M alone
+    would pick one."""
     yield from _forced_route(request.param)
 
 
-@pytest.fixture(params=["sorted", "direct"])
+@pytest.fixture(params=["sorted", "direct", "fused"])
 def matrix_route(request):
-    """The aligned and decode paths, for the large case matrices (tiles x dtypes x schemes); the
-    slots path, whose two GEMMs are the decode path's up GEMM kind, runs every ``route`` test and
+    """The aligned path and the two decode paths that reduce in the experts (the down GEMM summing
+    each token's slots, and the fused one), for the large case matrices (tiles x dtypes x schemes);
+    the slots path, whose two GEMMs are the direct path's up GEMM kind, runs every ``route`` test and
     the small-M cases of test_fused_experts (CI time)."""
     yield from _forced_route(request.param)

@@ -117,6 +117,18 @@ def test_low_bit_k_steps(case, groups_per_step, matrix_route):
     assert_close(out, ref, case.dtype)
 
 
+@pytest.mark.parametrize("case,groups_per_step,block_n",
+                         [(c, g, bn) for c in ONE_GROUP for g, bn in ((1, 32), (2, 64))], ids=lambda v: str(v))
+def test_low_bit_fused_decode_steps(case, groups_per_step, block_n):
+    """The fused decode kernel's two dequantized GEMMs: the up GEMM's K steps over one group or
+    several, and the down GEMM's one K step per program, its block_n intermediate columns inside
+    one group (32) or over two groups of 32 (64); N and K not multiples of the tiles."""
+    tiles = tmoe.GemmConfig(16, block_n, case.group * groups_per_step, num_stages=2)
+    with tmoe.override_config(tmoe.MoEConfig(tiles, tiles)), tmoe.override_route("fused"):
+        out, ref = run_case(case)
+    assert_close(out, ref, case.dtype)
+
+
 # each dequant branch with swap_ab: one group per K step (bf16 values from the bits, the int4
 # row-sum correction; float32 values), several groups per step (values scaled before the dot)
 SWAP_CASES = [

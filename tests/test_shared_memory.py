@@ -4,6 +4,7 @@ import torch
 
 import tmoe
 import tmoe.kernels.moe_down_reduce
+import tmoe.kernels.moe_fused_decode
 import tmoe.kernels.moe_gemm
 from tmoe.kernels.gemm_args import EPILOGUE_MARGIN, SHARED_MEMORY_BUDGET, fit_shared_memory, shared_memory_budget
 from tmoe.reference import moe_reference
@@ -37,7 +38,7 @@ def test_layer_with_a_small_shared_memory_budget(dtype, route, monkeypatch):
         fitted.append((_staged_bytes(out, elem_size, gated), budget))
         return out
 
-    for module in (tmoe.kernels.moe_gemm, tmoe.kernels.moe_down_reduce):
+    for module in (tmoe.kernels.moe_gemm, tmoe.kernels.moe_down_reduce, tmoe.kernels.moe_fused_decode):
         monkeypatch.setattr(module, "shared_memory_budget", lambda device: budget)
         monkeypatch.setattr(module, "fit_shared_memory", spy)
     p = make_problem(MoEShape(21, 4, 128, 128, 2), dtype, "uniform", seed=4, device=DEVICE)

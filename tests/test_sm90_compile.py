@@ -14,7 +14,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = (
     "_align_count_kernel _align_scan_kernel _align_scatter_kernel _align_single_kernel _batched_dispatch_kernel "
-    "_moe_down_reduce_kernel _moe_gemm_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
+    "_moe_down_reduce_kernel _moe_fused_decode_kernel _moe_gemm_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
     "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_kernel _zero_kernel"
 ).split()
 
@@ -46,7 +46,7 @@ SCRIPT = textwrap.dedent("""
     p = make_problem(MoEShape(9, 4, 128, 256, 2), torch.bfloat16, "uniform", seed=0)
     fp8 = dict(quant_config=tmoe.FusedMoEQuantConfig(FP8, block_shape=(128, 128)),
                w1_scale=torch.ones(4, 2, 2), w2_scale=torch.ones(4, 2, 1))
-    for route in ("sorted", "direct"):
+    for route in ("sorted", "direct", "fused"):
         for tma, persistent in ((False, False), (True, False), (True, True)):
             cfg = tmoe.GemmConfig(64, 128, 128, tma=tma, persistent=persistent)
             with tmoe.override_route(route), tmoe.override_config(tmoe.MoEConfig(cfg, cfg)):
@@ -61,7 +61,7 @@ SCRIPT = textwrap.dedent("""
             q2, s2, z2 = tmoe.quantize_weight_int4(p.w2, g, zero_point=True)
         low_bit = dict(quant_config=tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=g), w1_scale=s1,
                        w2_scale=s2, w1_zp=z1, w2_zp=z2)
-        for route in ("sorted", "direct"):
+        for route in ("sorted", "direct", "fused"):
             with tmoe.override_route(route):
                 tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, **low_bit)
         swap = tmoe.GemmConfig(16, 64, g, swap_ab=True)  # swap_ab: the weights as wgmma's LHS at block_m 16
@@ -107,12 +107,13 @@ SCRIPT = textwrap.dedent("""
                        w2_scale=s2, w1_zp=z1, w2_zp=z2)
         tiles = tmoe.GemmConfig(16, 64, g * groups)
         compiled.clear()
-        with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(tiles, tiles)):
-            tmoe.fused_experts(p.x.to(dtype), q1, q2, p.topk_weights, p.topk_ids, **low_bit)
-        gemms = [ptx for name, ptx, _ in compiled if name == "_moe_gemm_kernel"]
+        for route in ("sorted", "fused"):
+            with tmoe.override_route(route), tmoe.override_config(tmoe.MoEConfig(tiles, tiles)):
+                tmoe.fused_experts(p.x.to(dtype), q1, q2, p.topk_weights, p.topk_ids, **low_bit)
+        gemms = [ptx for name, ptx, _ in compiled if name in ("_moe_gemm_kernel", "_moe_fused_decode_kernel")]
         mul, sub = ("mul.rn.bf16x2", "sub.rn.bf16x2") if dtype == torch.bfloat16 else ("mul.rn.f16x2", "sub.rn.f16x2")
         scaled = scheme == "mxfp4" or groups > 1  # int4 over several groups: minus zero points, times scales
-        ok = len(gemms) == 2 and all("prmt.b32" in ptx and "lop3.b32" in ptx and (not scaled or mul in ptx)
+        ok = len(gemms) == 3 and all("prmt.b32" in ptx and "lop3.b32" in ptx and (not scaled or mul in ptx)
                                      and (scheme == "mxfp4" or groups == 1 or sub in ptx) for ptx in gemms)
         unpacked.append(f"{scheme}-{str(dtype)[6:]}-{groups}:{'ok' if ok else 'missing'}")
     print(" ".join(unpacked))
@@ -120,7 +121,7 @@ SCRIPT = textwrap.dedent("""
     compiled.clear()
     persistent = tmoe.GemmConfig(64, 128, 128, tma=True, persistent=True)
     with tmoe.override_pdl(True):
-        for route in ("sorted", "direct"):
+        for route in ("sorted", "direct", "fused"):
             with tmoe.override_route(route):
                 tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
                 tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
@@ -167,7 +168,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert swap.split() == ["block:wgmma", "int4:regA", "mxfp4:regA", "none:wgmma"], \
         f"swap_ab GEMMs must use wgmma only, low-bit weights from registers: {swap}"
     assert all(u.endswith(":ok") for u in unpacked.split()) and len(unpacked.split()) == 7, \
-        f"the 4-bit GEMMs must compile the PTX unpacking (prmt, lop3; mxfp4 and multi-group int4 their 16x2 " \
+        f"the 4-bit GEMMs (the aligned path's two and the fused decode kernel) must compile the PTX unpacking (prmt, lop3; mxfp4 and multi-group int4 their 16x2 " \
         f"multiply, int4 its subtract): {unpacked}"
     assert pdl_names.split() == sorted(PDL_KERNELS), "with override_pdl(True) these launch with PDL and wait"
     assert mismatched == "-", f"launched with PDL but no griddepcontrol (or the reverse): {mismatched}"

@@ -101,7 +101,10 @@ DIRECT_MAX_SLOTS = 0
 # it saves the align launch (Qwen3-30B-A3B bf16 32.4 -> 27.9 us, fp8 block 35.4 -> 31.6,
 # DeepSeek-V3 bf16 176.9 -> 170.2; Mixtral within 1%); from M=4 it loses on some shapes.
 SLOT_ROUTE_MAX_TOKENS = 1
-ROUTES = ("sorted", "direct", "slots")
+# Tokens at or below which an unquantized-activation layer takes the fused decode path (both GEMMs
+# per slot in one kernel, then a reduce of the partial sums: ``moe_fused_decode``). 0: off.
+FUSED_MAX_TOKENS = 0
+ROUTES = ("sorted", "direct", "slots", "fused")
 
 _ROUTE_OVERRIDE: list[str] = []
 
@@ -111,7 +114,9 @@ def override_route(route: str) -> Iterator[None]:
     """Force a Standard-format path for every layer call inside the block (tests, benchmarks):
     "sorted" (align, then the GEMMs over expert-sorted row blocks), "direct" (the decode path:
     no align, one row block per slot, the down GEMM sums each token's slots) or "slots" (no
-    align, one row block per slot in both GEMMs, then the top-k reduce)."""
+    align, one row block per slot in both GEMMs, then the top-k reduce) or "fused" (both GEMMs per
+    (slot, block of the intermediate) in one kernel, then a reduce; layers with fp8 activations,
+    which it does not run, take "sorted")."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     _ROUTE_OVERRIDE.append(route)
@@ -140,6 +145,26 @@ def use_slot_route(m: int) -> bool:
     if _ROUTE_OVERRIDE:
         return _ROUTE_OVERRIDE[-1] == "slots"
     return 0 < m <= SLOT_ROUTE_MAX_TOKENS
+
+
+def use_fused_route(m: int) -> bool:
+    """Whether a layer call of ``m`` tokens with unquantized activations takes the fused decode path."""
+    if _ROUTE_OVERRIDE:
+        return _ROUTE_OVERRIDE[-1] == "fused"
+    return 0 < m <= FUSED_MAX_TOKENS
+
+
+def fused_decode_config(m: int, n: int, k: int, topk: int, device: torch.device) -> GemmConfig:
+    """Tiles of the fused decode kernel: the widest block_n of intermediate columns (128, 64, 32;
+    at least 32: a 4-bit down step splits it into even and odd halves of 16) that still gives one
+    program per SM (one program per slot and block), K steps of 128. Under ``override_config``: the
+    forced up GEMM's block_n (at least 32), block_k, warps and stages."""
+    if _OVERRIDE:
+        up = _OVERRIDE[-1].up
+        return GemmConfig(16, max(32, up.block_n), up.block_k, num_warps=up.num_warps, num_stages=up.num_stages)
+    sms = sm_count(device) if device.type == "cuda" else 1
+    bn = next((b for b in (128, 64) if m * topk * cdiv(n, b) >= sms), 32)
+    return GemmConfig(16, bn, 128, num_warps=4, num_stages=4)
 
 
 def direct_down_config(cfg: MoEConfig, m: int, k: int, device: torch.device,
@@ -175,4 +200,4 @@ def get_config(
 
 __all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",
            "override_config", "override_pdl",
-           "override_route", "read_table", "save_table", "use_direct_route"]
+           "override_route", "read_table", "save_table", "use_direct_route", "use_fused_route", "fused_decode_config"]

@@ -6,11 +6,14 @@ from dataclasses import replace
 import torch
 
 from tmoe.kernels.checks import positive_int
-from tmoe.config import GemmConfig, direct_down_config, get_config, use_direct_route, use_slot_route
+from tmoe.config import (
+    GemmConfig, direct_down_config, fused_decode_config, get_config, use_direct_route, use_fused_route, use_slot_route,
+)
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.common import w1_rows_per_n
 from tmoe.kernels.gemm_args import DirectRouting, Routing, Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
+from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.modular.interfaces import FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute
 from tmoe.modular.quantize import quantize_activations
@@ -81,7 +84,27 @@ class TritonExperts(_TritonExpertsBase):
         return True
 
     def reduces_topk(self, m: int, topk: int) -> bool:
-        return use_direct_route(m, topk)
+        return use_direct_route(m, topk) or self._fused(m)
+
+    def _fused(self, m: int) -> bool:
+        return self.quant_config.quant_dtype is None and use_fused_route(m)
+
+    def _fused_decode(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                      expert_map, w1_scale, w2_scale, apply_router_weight_on_input, w1_bias, w2_bias, w1_zp, w2_zp,
+                      **act_options) -> None:
+        """The fused decode path: partial sums per (slot, intermediate block), then their reduce into output (M, K)."""
+        m, k = hidden_states.shape
+        n = w1.shape[1] // w1_rows_per_n(activation)
+        cfg = fused_decode_config(m, n, k, topk_ids.shape[1], hidden_states.device)
+        partial = torch.empty((topk_ids.numel(), fused_decode_blocks(n, cfg), k), dtype=torch.float32,
+                              device=hidden_states.device)
+        moe_fused_decode(hidden_states, w1, w2, partial, topk_ids, global_num_experts, cfg, activation=activation,
+                         topk_weights=topk_weights, weight_on_input=apply_router_weight_on_input,
+                         expert_map=expert_map, w1_scales=self._scales(None, w1_scale, w1_zp),
+                         w2_scales=self._scales(None, w2_scale, w2_zp), w1_bias=w1_bias, w2_bias=w2_bias,
+                         **act_options)
+        moe_partial_reduce(partial, topk_ids, global_num_experts, output, expert_map=expert_map,
+                           num_local_experts=w1.shape[0])
 
     def workspace_shapes(self, a, m, n, k, topk, num_experts, local_num_experts):
         return (m * topk, k), (m * topk, n), (m, topk, k)
@@ -91,6 +114,11 @@ class TritonExperts(_TritonExpertsBase):
               apply_router_weight_on_input, w1_bias=None, w2_bias=None, w1_zp=None, w2_zp=None,
               **act_options) -> None:
         m, k = hidden_states.shape
+        if output.dim() == 2 and self._fused(m):
+            self._fused_decode(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                               expert_map, w1_scale, w2_scale, apply_router_weight_on_input, w1_bias, w2_bias,
+                               w1_zp, w2_zp, **act_options)
+            return
         topk = topk_ids.shape[1]
         n = w1.shape[1] // w1_rows_per_n(activation)
         cfg = self._config(m, global_num_experts, n, k, topk, hidden_states.device)
