@@ -83,6 +83,18 @@ def test_low_bit_heuristic_keeps_block_k_without_tma(m):
         assert bf16.down.tma
 
 
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_low_bit_heuristic_block_k_divides_k(m):
+    """GPT-OSS (K = N = 2880, no table): the low-bit heuristic's block_k divides each GEMM's K (64),
+    so no K step masks its code loads; a K that no block_k >= 32 divides keeps the heuristic's."""
+    plain = get_config(m, 32, 2880, 2880, 4, torch.device("cpu"))
+    cfg = get_config(m, 32, 2880, 2880, 4, torch.device("cpu"), quant="mxfp4_w4a16", group_size=32)
+    for g in (cfg.up, cfg.down):
+        assert 2880 % g.block_k == 0 and g.block_k == min(64, plain.up.block_k)
+    odd = get_config(m, 32, 2880, 2888, 4, torch.device("cpu"), quant="int4_w4a16", group_size=32)
+    assert (odd.up.block_k, odd.down.block_k) == (plain.up.block_k, cfg.down.block_k)
+
+
 def test_low_bit_tables_are_named_and_found(tmp_path, monkeypatch):
     """Tables written under the tune CLI's low-bit names (vLLM's dtype=..._w4a16 style) are the
     ones a layer with that FusedMoEQuantConfig looks up."""

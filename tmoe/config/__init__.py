@@ -20,6 +20,11 @@ from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
 from tmoe.kernels.pdl import override_pdl, pdl_requested
 
 
+def _dividing_block_k(bk: int, k: int) -> int:
+    """The largest of bk, bk / 2, ..., 32 that divides k; bk when none does."""
+    return next((b for b in (bk, bk // 2, bk // 4) if b >= 32 and k % b == 0), bk)
+
+
 def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | None,
                group_size: int | None = None) -> MoEConfig:
     tokens_per_expert = m * topk / max(e, 1)
@@ -43,13 +48,19 @@ def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | Non
     # measured them faster: block-fp8 GEMMs from block_m 64 (5-22%), the down GEMM from block_m 128
     up_tma = block_k_cap is not None and bm >= 64
     down_tma = up_tma or bm >= 128
+    up_bk = down_bk = bk
     if group_size is not None:
         # weight-only low-bit: pointer loads (the kernel unpacks bytes); block_k as above whatever the
         # group, because the tuned H200 tables pick K steps over several groups at mxfp4's group 32 in
-        # 47 of 48 GEMMs (block_k 64-256), with the int32 unpacking (d712828) and with the PTX one
+        # 47 of 48 GEMMs (block_k 64-256), with the int32 unpacking (d712828) and with the PTX one;
+        # halved until it divides the GEMM's K: a K tail masks every code load along K, the tile's
+        # contiguous dimension (GPT-OSS, K = N = 2880: block_k 64 1.5-2.6x faster than 128 on the
+        # H200, bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log)
         up_tma = down_tma = False
-    up = GemmConfig(bm, up_bn, bk, num_warps=warps, num_stages=stages, tma=up_tma)
-    down = GemmConfig(bm, min(2 * bn, 128) if bm <= 32 else bn, bk, num_warps=warps, num_stages=stages, tma=down_tma)
+        up_bk, down_bk = _dividing_block_k(bk, k), _dividing_block_k(bk, n)
+    up = GemmConfig(bm, up_bn, up_bk, num_warps=warps, num_stages=stages, tma=up_tma)
+    down = GemmConfig(bm, min(2 * bn, 128) if bm <= 32 else bn, down_bk, num_warps=warps, num_stages=stages,
+                      tma=down_tma)
     return MoEConfig(up, down)
 
 

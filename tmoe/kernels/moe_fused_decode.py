@@ -89,7 +89,7 @@ def _moe_fused_decode_kernel(
     stride_ps, stride_pj, stride_b1e, stride_b2e,
     stride_s1e, stride_s1n, stride_s1k, stride_z1e, stride_z1n, stride_z1k,
     stride_s2e, stride_s2n, stride_s2k, stride_z2e, stride_z2n, stride_z2k,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KD: tl.constexpr, GROUP_K: tl.constexpr,
     QUANT: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK_1: tl.constexpr, ASM_UNPACK_2: tl.constexpr,
     MUL: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr,
     APPLY_WEIGHTS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr,
@@ -127,7 +127,7 @@ def _moe_fused_decode_kernel(
     else:
         h = act_no_mul(gate, ACTIVATION)
     h = tl.where(row0[:, None] & mask_n[None, :], h, 0.0).to(x_ptr.dtype.element_ty)  # [16, BN]
-    # down: block j is the K step of h @ W2[e, cols, block j].T, for every BLOCK_K chunk of output columns
+    # down: block j is the K step of h @ W2[e, cols, block j].T, for every BLOCK_KD chunk of output columns
     offs_wn, n_k = b_rows(BLOCK_N, QUANT)  # [BN] ([BN/2] 4-bit packed bytes) rows of the W2 tile
     w2_rows = w2_ptr + expert * stride_w2e + (weight_k(pid_n * BLOCK_N, QUANT) + offs_wn)[:, None] * stride_w2n
     mask_rows = (pid_n * BLOCK_N + n_k) < N
@@ -136,21 +136,21 @@ def _moe_fused_decode_kernel(
     else:
         h_scale = 1.0
     p_ptr = part_ptr + slot * stride_ps + pid_n * stride_pj
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K).to(tl.int64)  # [BK] output columns
+    for k0 in range(0, K, BLOCK_KD):
+        cols = k0 + tl.arange(0, BLOCK_KD).to(tl.int64)  # [BKD] output columns
         mask_cols = cols < K
         q = tl.load(w2_rows + cols[None, :] * stride_w2k, mask=mask_rows[:, None] & mask_cols[None, :],
-                    other=0.0)  # [BN, BK] ([BN/2, BK] 4-bit)
+                    other=0.0)  # [BN, BKD] ([BN/2, BKD] 4-bit)
         if QUANT == "none":
-            p = tl.dot(h, q, input_precision=PRECISION)  # [16, BK]
+            p = tl.dot(h, q, input_precision=PRECISION)  # [16, BKD]
         else:
             zp_rows, zp_shift = zero_point_rows(cols, QUANT)
-            p = dequant_dot(h, q, tl.zeros((16, BLOCK_K), dtype=tl.float32),
+            p = dequant_dot(h, q, tl.zeros((16, BLOCK_KD), dtype=tl.float32),
                             w2_scale_ptr + expert * stride_s2e + cols * stride_s2n,
                             w2_zp_ptr + expert * stride_z2e + zp_rows * stride_z2n, zp_shift, pid_n * BLOCK_N, N,
                             stride_s2k, stride_z2k, mask_cols, BLOCK_N, GROUP_K, QUANT, HAS_ZP, PRECISION,
-                            ASM_UNPACK_2, False)  # [16, BK]
-        p = tl.sum(p, axis=0)  # [BK]: rows 1-15 of h are zero
+                            ASM_UNPACK_2, False)  # [16, BKD]
+        p = tl.sum(p, axis=0)  # [BKD]: rows 1-15 of h are zero
         if HAS_B2:
             p += tl.load(b2_ptr + expert * stride_b2e + cols, mask=mask_cols & (pid_n == 0), other=0.0).to(tl.float32)
         tl.store(p_ptr + cols, p * h_scale, mask=mask_cols)
@@ -196,6 +196,9 @@ def _weight_args(i: int, scales: WeightScales | None, x: torch.Tensor, w: torch.
             "GROUP_K": a["GROUP_K"], "QUANT": a["QUANT"], "HAS_ZP": a["HAS_ZP"]}
 
 
+DOWN_TILE = 8192  # weight elements per down-GEMM step: BLOCK_KD = max(block_k, DOWN_TILE / block_n)
+
+
 def fused_decode_blocks(n: int, config: GemmConfig) -> int:
     """Intermediate blocks per slot: the partial sums' middle dimension."""
     return cdiv(n, config.block_n)
@@ -232,7 +235,8 @@ def moe_fused_decode(
             local expert computes are not written (``moe_partial_reduce`` skips them).
         topk_ids: (M, topk) int32/int64, contiguous; ids outside [0, num_experts), or mapped by
             ``expert_map`` outside [0, E), are skipped.
-        config: block_n intermediate columns per program, block_k the K step of both GEMMs.
+        config: block_n intermediate columns per program, block_k the up GEMM's K step (the down
+            GEMM's column chunk: at least DOWN_TILE / block_n).
         topk_weights: (M, topk) float32 contiguous; ``weight_on_input``: it scales x (not b1), else
             the slot's down product and b2.
         w1_bias (E, N_w), w2_bias (E, K). Activation options as ``invoke_moe_gemm``.
@@ -245,6 +249,7 @@ def moe_fused_decode(
         return partial
     config = fit_shared_memory(config, x.element_size(), mul, shared_memory_budget(x.device))  # the up loop's tiles
     bn, bk = config.block_n, config.block_k
+    bkd = min(max(bk, DOWN_TILE // bn), max(16, next_power_of_2(k)))
     act_alpha, act_limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
     unused = w1
     return Launch(_moe_fused_decode_kernel, (m * topk * cdiv(n, bn),), dict(
@@ -261,8 +266,8 @@ def moe_fused_decode(
         stride_b1e=w1_bias.stride(0) if w1_bias is not None else 0,
         stride_b2e=w2_bias.stride(0) if w2_bias is not None else 0,
         **{**_weight_args(1, w1_scales, x, w1, config, bn * (1 + mul)),  # the two share GROUP_K, QUANT, HAS_ZP
-           **_weight_args(2, w2_scales, x, w2, GemmConfig(16, bk, bn, num_warps=config.num_warps), bk)},
-        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, MUL=mul, INTERLEAVED=mul and gate_up_interleaved,
+           **_weight_args(2, w2_scales, x, w2, GemmConfig(16, bkd, bn, num_warps=config.num_warps), bkd)},
+        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KD=bkd, MUL=mul, INTERLEAVED=mul and gate_up_interleaved,
         ACTIVATION=activation, CLAMP=clamp, APPLY_WEIGHTS=topk_weights is not None, WEIGHT_ON_INPUT=weight_on_input,
         HAS_MAP=expert_map is not None, HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
         EVEN_K=k % bk == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
