@@ -95,6 +95,18 @@ def test_low_bit_heuristic_block_k_divides_k(m):
     assert (odd.up.block_k, odd.down.block_k) == (plain.up.block_k, cfg.down.block_k)
 
 
+def test_low_bit_decode_tiles_fill_the_gpu():
+    """Low-bit decode tiles without a table: block_n halves (to 32) until the row blocks fill 132 SMs
+    twice. GPT-OSS M=1 (4 slots): 32 for both GEMMs; M=8 (32 experts touched at most): as before."""
+    from tmoe.config import _heuristic
+
+    one = _heuristic(1, 32, 2880, 2880, 4, None, 32, sms=132)
+    assert (one.up.block_n, one.down.block_n) == (32, 32)
+    eight = _heuristic(8, 32, 2880, 2880, 4, None, 32, sms=132)
+    assert (eight.up.block_n, eight.down.block_n) == (64, 128)
+    assert _heuristic(1, 32, 2880, 2880, 4, None, None, sms=132).up.block_n == 64  # bf16 keeps its tiles
+
+
 def test_low_bit_tables_are_named_and_found(tmp_path, monkeypatch):
     """Tables written under the tune CLI's low-bit names (vLLM's dtype=..._w4a16 style) are the
     ones a layer with that FusedMoEQuantConfig looks up."""

@@ -187,6 +187,35 @@ def test_route_by_slot_count(m, topk, monkeypatch):
         assert not tmoe.config.use_direct_route(m, topk)
 
 
+@pytest.mark.parametrize("m", [1, 2, 4, 5])
+def test_fused_route_by_size(m, monkeypatch):
+    """The fused decode path by default: unquantized experts of at most FUSED_MAX_EXPERT_ELEMENTS
+    weights per GEMM (Qwen3-30B-A3B's 768 x 2048) at 2-4 tokens, where it was measured faster; not
+    for larger experts (DeepSeek-V3's 2048 x 7168), low-bit weights or fp8 activations. It writes
+    the layer output itself: no align, no top-k reduce."""
+    want = 2 <= m <= 4
+    assert tmoe.config.use_fused_route(m, 768, 2048) is want
+    assert not tmoe.config.use_fused_route(m, 2048, 7168)
+    assert not tmoe.config.use_fused_route(m, 768, 2048, low_bit=True)
+    with tmoe.override_route("sorted"):
+        assert not tmoe.config.use_fused_route(m, 768, 2048)
+    with tmoe.override_route("fused"):
+        assert tmoe.config.use_fused_route(m, 2048, 7168, low_bit=True)
+    fp8 = tmoe.TritonExperts(tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True))
+    assert not fp8.reduces_topk(m, 8, 768, 2048)
+    assert tmoe.TritonExperts().reduces_topk(m, 8, 768, 2048) is want
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the fused decode path must not align or reduce")
+
+    if want:
+        monkeypatch.setattr(tmoe.modular.experts, "moe_align_block_size", fail)
+        monkeypatch.setattr(tmoe.modular.prepare_finalize, "moe_reduce", fail)
+    p = make_problem(MoEShape(m, 8, 64, 96, 2), torch.float32, "uniform", seed=m, device=DEVICE)
+    out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), torch.float32)
+
+
 def test_bad_bias_shape():
     with pytest.raises(ValueError, match="w1_bias"):
         tmoe.fused_experts(**_args(), w1_bias=torch.zeros(4, 64))

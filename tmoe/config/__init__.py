@@ -25,8 +25,15 @@ def _dividing_block_k(bk: int, k: int) -> int:
     return next((b for b in (bk, bk // 2, bk // 4) if b >= 32 and k % b == 0), bk)
 
 
+def _filling_block_n(bn: int, rows: int, cols: int, sms: int) -> int:
+    """bn halved (down to 32) until ``rows`` row blocks of ``cols`` columns make 2 * ``sms`` programs."""
+    while bn > 32 and rows * cdiv(cols, bn) < 2 * sms:
+        bn //= 2
+    return bn
+
+
 def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | None,
-               group_size: int | None = None) -> MoEConfig:
+               group_size: int | None = None, sms: int = 1) -> MoEConfig:
     tokens_per_expert = m * topk / max(e, 1)
     if tokens_per_expert <= 16:
         bm, bn, bk, warps, stages = 16, 64, 128, 4, 4
@@ -58,9 +65,14 @@ def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | Non
         # H200, bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log)
         up_tma = down_tma = False
         up_bk, down_bk = _dividing_block_k(bk, k), _dividing_block_k(bk, n)
+    down_bn = min(2 * bn, 128) if bm <= 32 else bn
+    if group_size is not None and bm == 16:
+        # decode: narrower columns until the row blocks (slots, or touched experts) fill the GPU twice
+        # (GPT-OSS M=1, 4 slots: block_n 32 for both GEMMs 60.9 us against 82.1 at 64/128 on the H200)
+        rows = min(m * topk, e)
+        up_bn, down_bn = _filling_block_n(up_bn, rows, n, sms), _filling_block_n(down_bn, rows, k, sms)
     up = GemmConfig(bm, up_bn, up_bk, num_warps=warps, num_stages=stages, tma=up_tma)
-    down = GemmConfig(bm, min(2 * bn, 128) if bm <= 32 else bn, down_bk, num_warps=warps, num_stages=stages,
-                      tma=down_tma)
+    down = GemmConfig(bm, down_bn, down_bk, num_warps=warps, num_stages=stages, tma=down_tma)
     return MoEConfig(up, down)
 
 
@@ -88,7 +100,8 @@ def device_name(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str | None,
-            block_shape: tuple[int, int] | None, config_dir: str | None, group_size: int | None = None) -> MoEConfig:
+            block_shape: tuple[int, int] | None, config_dir: str | None, group_size: int | None = None,
+            sms: int = 1) -> MoEConfig:
     dirs = (Path(config_dir), SHIPPED_CONFIGS) if config_dir else (SHIPPED_CONFIGS,)
     table = load_table(config_file_name(e, n, device, quant, block_shape), dirs)
     block_k_cap = block_shape[1] if block_shape else None
@@ -96,7 +109,7 @@ def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str |
         cfg = table[min(table, key=lambda tm: abs(tm - m))]
         if block_k_cap is None or (cfg.up.block_k <= block_k_cap and cfg.down.block_k <= block_k_cap):
             return cfg
-    return _heuristic(m, e, n, k, topk, block_k_cap, group_size)
+    return _heuristic(m, e, n, k, topk, block_k_cap, group_size, sms)
 
 
 # M * topk at or below which a Standard-format layer takes the decode path (no align stage,
@@ -112,9 +125,15 @@ DIRECT_MAX_SLOTS = 0
 # it saves the align launch (Qwen3-30B-A3B bf16 32.4 -> 27.9 us, fp8 block 35.4 -> 31.6,
 # DeepSeek-V3 bf16 176.9 -> 170.2; Mixtral within 1%); from M=4 it loses on some shapes.
 SLOT_ROUTE_MAX_TOKENS = 1
-# Tokens at or below which an unquantized-activation layer takes the fused decode path (both GEMMs
-# per slot in one kernel, then a reduce of the partial sums: ``moe_fused_decode``). 0: off.
-FUSED_MAX_TOKENS = 0
+# Tokens (an inclusive range) and expert sizes (N * K at most) at which a layer with unquantized
+# activations and weights takes the fused decode path (both GEMMs per slot in one kernel, then a
+# reduce of the partial sums: ``moe_fused_decode``). Measured on the H200, bf16, whole layer
+# (bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log): Qwen3-30B-A3B (N * K =
+# 1.5M) M=2 45.3 vs 49.8 us, M=4 74.9 vs 81.4, M=1 a tie (27.7 vs 27.8), M=8 150 vs 131 (slots that
+# share an expert read its weights again); DeepSeek-V3 (14.7M) and Mixtral (58.7M) lose at M = 1-8;
+# low-bit weights lose 1.4-4x (the aligned path's tuned tiles dequantize faster): opt-in there.
+FUSED_TOKENS = (2, 4)
+FUSED_MAX_EXPERT_ELEMENTS = 4 * 1024 * 1024
 ROUTES = ("sorted", "direct", "slots", "fused")
 
 _ROUTE_OVERRIDE: list[str] = []
@@ -158,11 +177,12 @@ def use_slot_route(m: int) -> bool:
     return 0 < m <= SLOT_ROUTE_MAX_TOKENS
 
 
-def use_fused_route(m: int) -> bool:
-    """Whether a layer call of ``m`` tokens with unquantized activations takes the fused decode path."""
+def use_fused_route(m: int, n: int, k: int, low_bit: bool = False) -> bool:
+    """Whether a layer call of ``m`` tokens with unquantized activations, intermediate size ``n`` and
+    hidden size ``k`` (``low_bit``: low-bit weights) takes the fused decode path."""
     if _ROUTE_OVERRIDE:
         return _ROUTE_OVERRIDE[-1] == "fused"
-    return 0 < m <= FUSED_MAX_TOKENS
+    return not low_bit and FUSED_TOKENS[0] <= m <= FUSED_TOKENS[1] and n * k <= FUSED_MAX_EXPERT_ELEMENTS
 
 
 def fused_decode_config(m: int, n: int, k: int, topk: int, device: torch.device) -> GemmConfig:
@@ -206,7 +226,9 @@ def get_config(
     if _OVERRIDE:
         return _OVERRIDE[-1]
     bs = tuple(block_shape) if block_shape else None
-    return _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"), group_size)
+    sms = sm_count(device) if device.type == "cuda" else 1
+    return _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"), group_size,
+                   sms)
 
 
 __all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",

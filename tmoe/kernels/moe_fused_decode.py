@@ -196,7 +196,9 @@ def _weight_args(i: int, scales: WeightScales | None, x: torch.Tensor, w: torch.
             "GROUP_K": a["GROUP_K"], "QUANT": a["QUANT"], "HAS_ZP": a["HAS_ZP"]}
 
 
-DOWN_TILE = 8192  # weight elements per down-GEMM step: BLOCK_KD = max(block_k, DOWN_TILE / block_n)
+# output columns per down-GEMM step: on the H200 256 beat 128 and 512 at block_n 64 and 128
+# (bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log, probe2)
+DOWN_STEP = 256
 
 
 def fused_decode_blocks(n: int, config: GemmConfig) -> int:
@@ -236,7 +238,7 @@ def moe_fused_decode(
         topk_ids: (M, topk) int32/int64, contiguous; ids outside [0, num_experts), or mapped by
             ``expert_map`` outside [0, E), are skipped.
         config: block_n intermediate columns per program, block_k the up GEMM's K step (the down
-            GEMM's column chunk: at least DOWN_TILE / block_n).
+            GEMM's: DOWN_STEP output columns).
         topk_weights: (M, topk) float32 contiguous; ``weight_on_input``: it scales x (not b1), else
             the slot's down product and b2.
         w1_bias (E, N_w), w2_bias (E, K). Activation options as ``invoke_moe_gemm``.
@@ -247,9 +249,12 @@ def moe_fused_decode(
     n, k = w1.shape[1] // w1_rows_per_n(activation), x.shape[1]
     if m == 0 or n == 0 or k == 0:
         return partial
-    config = fit_shared_memory(config, x.element_size(), mul, shared_memory_budget(x.device))  # the up loop's tiles
+    budget = shared_memory_budget(x.device)
+    config = fit_shared_memory(config, x.element_size(), mul, budget)  # the up loop's tiles
     bn, bk = config.block_n, config.block_k
-    bkd = min(max(bk, DOWN_TILE // bn), max(16, next_power_of_2(k)))
+    bkd = min(DOWN_STEP, max(16, next_power_of_2(k)))
+    while (config.num_stages - 1) * bkd * bn * x.element_size() > budget and bkd > 32:  # the down loop's tiles in flight
+        bkd //= 2
     act_alpha, act_limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
     unused = w1
     return Launch(_moe_fused_decode_kernel, (m * topk * cdiv(n, bn),), dict(

@@ -83,11 +83,12 @@ class TritonExperts(_TritonExpertsBase):
     def supports_chunking(self) -> bool:
         return True
 
-    def reduces_topk(self, m: int, topk: int) -> bool:
-        return use_direct_route(m, topk) or self._fused(m)
+    def reduces_topk(self, m: int, topk: int, n: int, k: int) -> bool:
+        return use_direct_route(m, topk) or self._fused(m, n, k)
 
-    def _fused(self, m: int) -> bool:
-        return self.quant_config.quant_dtype is None and use_fused_route(m)
+    def _fused(self, m: int, n: int, k: int) -> bool:
+        qc = self.quant_config
+        return qc.quant_dtype is None and use_fused_route(m, n, k, low_bit=qc.weight_dtype is not None)
 
     def _fused_decode(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
                       expert_map, w1_scale, w2_scale, apply_router_weight_on_input, w1_bias, w2_bias, w1_zp, w2_zp,
@@ -114,7 +115,7 @@ class TritonExperts(_TritonExpertsBase):
               apply_router_weight_on_input, w1_bias=None, w2_bias=None, w1_zp=None, w2_zp=None,
               **act_options) -> None:
         m, k = hidden_states.shape
-        if output.dim() == 2 and self._fused(m):
+        if output.dim() == 2 and self._fused(m, w1.shape[1] // w1_rows_per_n(activation), k):
             self._fused_decode(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
                                expert_map, w1_scale, w2_scale, apply_router_weight_on_input, w1_bias, w2_bias,
                                w1_zp, w2_zp, **act_options)

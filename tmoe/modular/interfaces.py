@@ -151,9 +151,10 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
     def supports_expert_map(self) -> bool:
         return False
 
-    def reduces_topk(self, m: int, topk: int) -> bool:
-        """Whether apply() at ``m`` tokens can write the weighted top-k sum itself: it is then
-        handed an (M, K) ``output`` (when the PrepareAndFinalize accepts reduced output)."""
+    def reduces_topk(self, m: int, topk: int, n: int, k: int) -> bool:
+        """Whether apply() at ``m`` tokens (intermediate size ``n``, hidden size ``k``) can write the
+        weighted top-k sum itself: it is then handed an (M, K) ``output`` (when the
+        PrepareAndFinalize accepts reduced output)."""
         return False
 
     @abstractmethod

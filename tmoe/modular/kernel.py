@@ -198,7 +198,7 @@ class ModularKernel:
         experts, pf = self.fused_experts, self.prepare_finalize
         prepared = pf.prepare(x, weights, ids, plan.num_experts, args.expert_map, args.apply_router_weight_on_input,
                               experts.quant_config, args.a1_scale)
-        reduced = pf.accepts_reduced_output() and experts.reduces_topk(prepared.a1q.shape[0], plan.topk)
+        reduced = pf.accepts_reduced_output() and experts.reduces_topk(prepared.a1q.shape[0], plan.topk, plan.n, plan.k)
         fused_out = output if reduced else ws13.view(out_shape)
         expert_ids = prepared.topk_ids if prepared.topk_ids is not None else ids
         expert_weights = prepared.topk_weights if prepared.topk_weights is not None else weights
