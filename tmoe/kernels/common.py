@@ -66,6 +66,23 @@ def act_no_mul(h, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def w1_columns(pid_n, N, BLOCK_N: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """(W1 rows [BN] int64, their mask) of up-GEMM column block ``pid_n``; MUL: [2BN], tile column
+    2j the gate row of n_j, 2j + 1 its up row (N + n_j; INTERLEAVED: W1 rows 2 n_j and 2 n_j + 1)."""
+    if MUL:
+        offs_c = tl.arange(0, 2 * BLOCK_N)
+        if INTERLEAVED:
+            w_cols = pid_n.to(tl.int64) * 2 * BLOCK_N + offs_c  # [2BN]
+        else:
+            w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
+        mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
+    else:
+        w_cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        mask_c = w_cols < N
+    return w_cols, mask_c
+
+
+@triton.jit
 def tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Grouped (swizzled) order of output tiles: GROUP_M row-blocks share each column sweep."""
     num_pid_in_group = GROUP_M * num_pid_n

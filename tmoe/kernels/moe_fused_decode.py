@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.common import (
-    act_and_mul, act_no_mul, activation_params, cdiv, local_expert, moe_tile_matmul, next_power_of_2, w1_rows_per_n,
+    act_and_mul, act_no_mul, activation_params, cdiv, local_expert, moe_tile_matmul, next_power_of_2, w1_columns,
+    w1_rows_per_n,
 )
 from tmoe.kernels.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
 from tmoe.kernels.gemm_args import WeightScales, fit_shared_memory, scale_args, shared_memory_budget
@@ -40,18 +41,8 @@ def _up_tile(x_ptr, w1_ptr, w1_scale_ptr, w1_zp_ptr, expert, token, pid_n, row0,
              HAS_ZP: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
              PRECISION: tl.constexpr, ASM_UNPACK: tl.constexpr):
     """float32 (gate [16, BN], up [16, BN]) of the token (row 0) for intermediate block ``pid_n``
-    (up = gate when not MUL). Tile column 2i is gate row n_i, 2i + 1 up row n_i (W1 row N + n_i;
-    INTERLEAVED: 2 n_i + 1), as in ``moe_gemm``."""
-    if MUL:
-        offs_c = tl.arange(0, 2 * BLOCK_N)
-        if INTERLEAVED:
-            w_cols = pid_n * 2 * BLOCK_N + offs_c  # [2BN]
-        else:
-            w_cols = (offs_c % 2) * N + pid_n * BLOCK_N + offs_c // 2  # [2BN]
-        mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
-    else:
-        w_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_c = w_cols < N
+    (up = gate when not MUL), W1's rows as in ``moe_gemm`` (``common.w1_columns``)."""
+    w_cols, mask_c = w1_columns(pid_n, N, BLOCK_N, MUL, INTERLEAVED)  # [BN] ([2BN] gate/up pairs when MUL)
     zp_rows, zp_shift = zero_point_rows(w_cols, QUANT)
     offs_wk, _ = b_rows(BLOCK_K, QUANT)  # [BK] ([BK/2] 4-bit packed bytes)
     offs_k = tl.arange(0, BLOCK_K)

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import (
-    activation_params, cdiv, local_expert, moe_tile_matmul, moe_tile_matmul_tma, tile_ids, w1_rows_per_n,
+    activation_params, cdiv, local_expert, moe_tile_matmul, moe_tile_matmul_tma, tile_ids, w1_columns,
+    w1_rows_per_n,
 )
 from tmoe.kernels.dequant import b_rows, zero_point_rows
 from tmoe.kernels.gemm_epilogue import moe_epilogue
@@ -149,16 +150,7 @@ def _moe_gemm_kernel(
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, EVEN_K, PRECISION,
             )  # [BM, BN] float32 each (up: MUL only)
         else:
-            if MUL:  # tile column 2j is gate row n_j, 2j + 1 is up row n_j (W1 row N + n_j; INTERLEAVED: 2 n_j + 1)
-                offs_c = tl.arange(0, 2 * BLOCK_N)
-                if INTERLEAVED:
-                    w_cols = pid_n.to(tl.int64) * 2 * BLOCK_N + offs_c  # [2BN]
-                else:
-                    w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
-                mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
-            else:
-                w_cols = offs_n
-                mask_c = mask_n
+            w_cols, mask_c = w1_columns(pid_n, N, BLOCK_N, MUL, INTERLEAVED)  # [BN] ([2BN] gate/up pairs when MUL)
             zp_rows, zp_shift = zero_point_rows(w_cols, QUANT)  # [BN] (2BN when MUL)
             offs_wk, _ = b_rows(BLOCK_K, QUANT)  # [BK] ([BK/2] 4-bit packed bytes)
             acc = moe_tile_matmul(
