@@ -13,6 +13,7 @@ from tmoe.config import GemmConfig
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.dispatch import batched_dispatch
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
+from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
 from tmoe.kernels.gemm_args import DirectRouting, Routing
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.kernels.reduce import moe_reduce
@@ -88,6 +89,23 @@ def test_direct_route_skips_bad_map_entries(dtype):
     invoke_moe_gemm(p.x, p.w1, inter, cfg, gated=True, routing=DirectRouting(p.ids, E, p.emap, topk))
     out = torch.empty(m, K, dtype=dtype, device=DEVICE)
     moe_down_reduce(inter, p.w2, out, p.ids, E, cfg, topk_weights=p.weights, expert_map=p.emap)
+    assert_close(out, p.reference(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_skips_bad_map_entries(dtype):
+    """The fused decode kernel computes nothing for skipped slots (their router weights are NaN
+    here) and the reduce never reads their partial rows (left as torch.empty's NaN)."""
+    p = _layer(5, 4, dtype, seed=5)
+    m, topk = p.ids.shape
+    ok = valid_slots(p.ids, E, p.emap, E_LOCAL)
+    weights = p.weights.masked_fill(~ok, float("nan"))
+    cfg = GemmConfig(16, 32, 32)
+    partial = torch.empty(m * topk, fused_decode_blocks(N, cfg), K, dtype=torch.float32, device=DEVICE)
+    moe_fused_decode(p.x, p.w1, p.w2, partial, p.ids, E, cfg, topk_weights=weights, expert_map=p.emap)
+    out = torch.empty(m, K, dtype=dtype, device=DEVICE)
+    moe_partial_reduce(partial, p.ids, E, out, expert_map=p.emap, num_local_experts=E_LOCAL)
+    assert bool(partial.view(m, topk, -1)[~ok].isnan().all()), "skipped slots must not be written"
     assert_close(out, p.reference(), dtype)
 
 
