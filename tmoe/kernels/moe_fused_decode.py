@@ -187,8 +187,8 @@ def _weight_args(i: int, scales: WeightScales | None, x: torch.Tensor, w: torch.
             "GROUP_K": a["GROUP_K"], "QUANT": a["QUANT"], "HAS_ZP": a["HAS_ZP"]}
 
 
-# output columns per down-GEMM step: on the H200 256 beat 128 and 512 at block_n 64 and 128
-# (bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log, probe2)
+# output columns per down-GEMM step: on the H200 256 beat 128 at block_n 64 and 128, and 512 at 64
+# (bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log, probe2: DOWN_TILE = block_n x step)
 DOWN_STEP = 256
 
 
