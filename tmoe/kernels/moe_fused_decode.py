@@ -88,7 +88,6 @@ def _moe_fused_decode_kernel(
     USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # PDL: before anything is read (pdl.py)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
     # the slots of one intermediate block run side by side
     slot = (tl.program_id(0) % num_slots).to(tl.int64)
     pid_n = (tl.program_id(0) // num_slots).to(tl.int64)
