@@ -20,6 +20,11 @@ from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
 from tmoe.kernels.pdl import override_pdl, pdl_requested
 
 
+def _sms(device: torch.device) -> int:
+    """The SM count the tile rules fill: the device's, 1 off a GPU (the interpreter)."""
+    return sm_count(device) if device.type == "cuda" else 1
+
+
 def _dividing_block_k(bk: int, k: int) -> int:
     """The largest of bk, bk / 2, ..., 32 that divides k; bk when none does."""
     return next((b for b in (bk, bk // 2, bk // 4) if b >= 32 and k % b == 0), bk)
@@ -193,8 +198,7 @@ def fused_decode_config(m: int, n: int, k: int, topk: int, device: torch.device)
     if _OVERRIDE:
         up = _OVERRIDE[-1].up
         return GemmConfig(16, max(32, up.block_n), up.block_k, num_warps=up.num_warps, num_stages=up.num_stages)
-    sms = sm_count(device) if device.type == "cuda" else 1
-    bn = next((b for b in (128, 64) if m * topk * cdiv(n, b) >= sms), 32)
+    bn = next((b for b in (128, 64) if m * topk * cdiv(n, b) >= _sms(device)), 32)
     return GemmConfig(16, bn, 128, num_warps=4, num_stages=4)
 
 
@@ -204,8 +208,7 @@ def direct_down_config(cfg: MoEConfig, m: int, k: int, device: torch.device,
     the widest block_n that still gives two programs per SM (one program per token and block)."""
     if cfg.direct_down is not None:
         return cfg.direct_down
-    sms = sm_count(device) if device.type == "cuda" else 1
-    bn = next((b for b in (64, 32) if m * cdiv(k, b) >= 2 * sms), 16)
+    bn = next((b for b in (64, 32) if m * cdiv(k, b) >= 2 * _sms(device)), 16)
     bk = min(128, block_shape[1]) if block_shape else 128
     return GemmConfig(16, bn, bk, num_warps=4, num_stages=4)
 
@@ -226,9 +229,8 @@ def get_config(
     if _OVERRIDE:
         return _OVERRIDE[-1]
     bs = tuple(block_shape) if block_shape else None
-    sms = sm_count(device) if device.type == "cuda" else 1
     return _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"), group_size,
-                   sms)
+                   _sms(device))
 
 
 __all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",
