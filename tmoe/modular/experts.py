@@ -115,13 +115,13 @@ class TritonExperts(_TritonExpertsBase):
               apply_router_weight_on_input, w1_bias=None, w2_bias=None, w1_zp=None, w2_zp=None,
               **act_options) -> None:
         m, k = hidden_states.shape
-        if output.dim() == 2 and self._fused(m, w1.shape[1] // w1_rows_per_n(activation), k):
+        n = w1.shape[1] // w1_rows_per_n(activation)
+        if output.dim() == 2 and self._fused(m, n, k):
             self._fused_decode(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
                                expert_map, w1_scale, w2_scale, apply_router_weight_on_input, w1_bias, w2_bias,
                                w1_zp, w2_zp, **act_options)
             return
         topk = topk_ids.shape[1]
-        n = w1.shape[1] // w1_rows_per_n(activation)
         cfg = self._config(m, global_num_experts, n, k, topk, hidden_states.device)
         weights = topk_weights.reshape(-1) if apply_router_weight_on_input else None
         if output.dim() == 2 or use_slot_route(m):  # no align: slot s is row block s of the up GEMM
