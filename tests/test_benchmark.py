@@ -221,11 +221,13 @@ def test_scaled_grouped_mm_setup_failure_is_reported(monkeypatch):
     assert p.name == "scaled_grouped_mm" and bm.guarded(lambda: p.fn(None)) == "MemoryError"
 
 
-def test_read_ceiling_kernel_reads_every_element_once():
-    x = torch.randn(3 * timing._READ_BLOCK * timing._READ_TILES + 5)
-    partials = torch.empty(-(-x.numel() // (timing._READ_BLOCK * timing._READ_TILES)))
-    timing._stream_read(x, partials)
-    assert torch.allclose(partials.sum(), x.sum(), rtol=1e-4, atol=1e-2)
+@pytest.mark.parametrize("block, tiles", [(64, 16), (128, 4), (256, 1)])
+def test_read_ceiling_kernel_reads_every_element_once(block, tiles):
+    """Each read-kernel shape (small stand-ins for ``_READ_SHAPES``) sums every element exactly once."""
+    x = torch.randn(3 * block * tiles + 5, dtype=torch.float64).float()
+    partials = torch.full((-(-x.numel() // (block * tiles)),), float("nan"))
+    timing._stream_read(x, partials, block, tiles)
+    assert torch.allclose(partials.double().sum(), x.double().sum(), rtol=1e-5, atol=1e-3)
 
 
 def test_ceilings_line_names_the_best_and_every_trial():
@@ -263,3 +265,33 @@ def test_low_bit_providers_match_reference(dtype):
     ref = moe_reference(r.x, w1, w2, r.topk_weights, r.topk_ids)
     assert rel_error(full.fn(r), ref) < 1e-5
     assert rel_error(low_bit.fn(r), ref) < (0.2 if dtype != "int8" else 0.02)  # the weights' own rounding
+
+
+@pytest.mark.gpu
+def test_ceilings_take_the_best_trial_of_each_kind():
+    """On the GPU: every ceiling is the best of its recorded trials; bf16 the best of steady and burst."""
+    c = timing.measure_ceilings(with_fp8=False, trials=2)
+    assert len(c.trials["read"]) == 2 * len(timing._READ_SHAPES) and len(c.trials["bf16 burst"]) == 2
+    assert c.read_bw == max(c.trials["read"]) and c.copy_bw == max(c.trials["copy"]) > 0
+    assert c.bf16_flops == max(c.trials["bf16"] + c.trials["bf16 burst"]) and c.fp8_flops == 2 * c.bf16_flops
+
+
+@pytest.mark.parametrize("mode", ["fp8_block", "fp8_token"])
+def test_fp8_stage_calls_chain_to_the_layer(mode):
+    """The fp8 stage calls (quantize, align, up, quantize the intermediate, down, reduce), run in
+    order, give the layer's output within fp8 rounding of the float32 reference on the
+    dequantized weights; every fp8 stage is there."""
+    from tmoe.reference import dequantize_fp8_reference
+
+    e, n, k, m, topk = 3, 128, 256, 3, 2
+    w1, w2 = torch.randn(e, 2 * n, k) / k**0.5, torch.randn(e, k, n) / n**0.5
+    (w1q, s1), (w2q, s2) = peers.quantize_fp8(w1.bfloat16(), mode), peers.quantize_fp8(w2.bfloat16(), mode)
+    weights, ids = torch.topk(torch.randn(m, e).softmax(-1), topk)
+    r = peers.RoutedInputs(torch.randn(m, k, dtype=torch.bfloat16), weights, ids.int())
+    calls = peers.stage_calls(w1q, w2q, [r], 16, mode, s1, s2)
+    assert tuple(calls) == peers.FP8_STAGES and all(len(c) == 1 for c in calls.values())
+    out = calls["reduce"][0]()
+    block = (128, 128) if mode == "fp8_block" else None
+    ref = moe_reference(r.x.float(), dequantize_fp8_reference(w1q, s1, block), dequantize_fp8_reference(w2q, s2, block),
+                        r.topk_weights, r.topk_ids)
+    assert rel_error(out.float(), ref) < 6e-2

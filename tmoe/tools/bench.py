@@ -65,15 +65,19 @@ def layer_traffic(s: Shape, m: int, touched: float, weight_bytes: float = 2, act
     return touched * 3 * s.n * s.k * weight_bytes + 2 * m * s.k * act_bytes, 2.0 * m * s.topk * 3 * s.n * s.k
 
 
-def stage_traffic(stage: str, s: Shape, m: int, touched: float, weight_bytes: int = 2,
+def stage_traffic(stage: str, s: Shape, m: int, touched: float, weight_bytes: float = 2,
                   act_bytes: int = 2) -> tuple[float, float]:
-    """(bytes, flops) of one tmoe stage; int32 ids and float32 router weights are 4 bytes."""
+    """(bytes, flops) of one tmoe stage; ``act_bytes`` per activation value a GEMM or the
+    reduce reads (fp8: 1; GEMM outputs, the reduce's output and the quantizations' inputs are
+    bf16); int32 ids and float32 router weights and scales are 4 bytes."""
     slots = m * s.topk
     table = {
         "align": (8 * slots, 0.0),
-        "up": (touched * 2 * s.n * s.k * weight_bytes + (m * s.k + slots * s.n) * act_bytes, 4.0 * slots * s.n * s.k),
-        "down": (touched * s.n * s.k * weight_bytes + slots * (s.n + s.k) * act_bytes, 2.0 * slots * s.n * s.k),
-        "reduce": ((slots + m) * s.k * act_bytes + 8 * slots, 2.0 * slots * s.k),
+        "up": (touched * 2 * s.n * s.k * weight_bytes + m * s.k * act_bytes + slots * s.n * 2, 4.0 * slots * s.n * s.k),
+        "down": (touched * s.n * s.k * weight_bytes + slots * (s.n * act_bytes + s.k * 2), 2.0 * slots * s.n * s.k),
+        "reduce": ((slots + m) * s.k * 2 + 8 * slots, 2.0 * slots * s.k),
+        "quant": (m * s.k * 3, 0.0),
+        "quant_inter": (slots * s.n * 3, 0.0),
     }
     return table[stage]
 
@@ -113,22 +117,31 @@ def _time_both(calls: list[Call], syncs: bool, args: argparse.Namespace) -> tupl
     return graph, eager
 
 
-def bench_stages(s: Shape, m: int, w1: torch.Tensor, w2: torch.Tensor, sets: list[peers.RoutedInputs],
+def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor, ...], sets: list[peers.RoutedInputs],
                  touched: float, args: argparse.Namespace, ceil: timing.Ceilings, t0: float) -> Iterator[Row]:
-    """Rows ``tmoe.<stage>``: each bf16 stage op timed alone at the block_m the layer uses."""
+    """Rows ``tmoe.<stage>``: each stage op timed alone at the block_m the layer uses; ``weights``
+    (w1, w2) in bf16, or (w1, w1_scale, w2, w2_scale) fp8 codes and scales in the fp8 modes."""
     import tmoe
 
-    block_m = tmoe.get_config(m, s.e, s.n, s.k, s.topk, w1.device).block_m
+    fp8 = args.dtype != "bf16"
+    quant = "fp8_w8a8" if fp8 else None
+    block_shape = (128, 128) if args.dtype == "fp8_block" else None
+    block_m = tmoe.get_config(m, s.e, s.n, s.k, s.topk, weights[0].device, quant=quant,
+                              block_shape=block_shape).block_m
     try:
-        calls = peers.stage_calls(w1, w2, sets, block_m)
+        if fp8:
+            w1, w1_scale, w2, w2_scale = weights
+            calls = peers.stage_calls(w1, w2, sets, block_m, args.dtype, w1_scale, w2_scale)
+        else:
+            calls = peers.stage_calls(*weights, sets, block_m)
     except Exception as err:  # noqa: BLE001
         print(f"    stages failed: {type(err).__name__}: {err}", flush=True)
         return
     for stage, stage_calls in calls.items():
-        nbytes, flops = stage_traffic(stage, s, m, touched)
-        floor = floor_us(nbytes, flops, ceil.copy_bw, ceil.bf16_flops)
+        nbytes, flops = stage_traffic(stage, s, m, touched, value_bytes(args.dtype), 1 if fp8 else 2)
+        floor = floor_us(nbytes, flops, ceil.copy_bw, ceil.rate(args.dtype))
         graph, eager = _time_both(stage_calls, False, args)
-        yield _report(Row(s, "bf16", m, f"tmoe.{stage}", graph, eager, floor, nbytes, flops, touched), t0)
+        yield _report(Row(s, args.dtype, m, f"tmoe.{stage}", graph, eager, floor, nbytes, flops, touched), t0)
 
 
 def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: timing.Ceilings,
@@ -138,8 +151,12 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: tim
     w1, w2 = peers.make_weights(s.e, s.n, s.k, dev)
     providers = peers.with_routes(peers.providers(args.dtype, w1, w2, args.providers), args.routes)
     per_value = value_bytes(args.dtype)
-    if args.dtype != "bf16":
-        w1 = w2 = None  # the fp8 providers hold their own quantized copies
+    stage_weights = None
+    if args.stages and args.dtype == "bf16":
+        stage_weights = (w1, w2)
+    elif args.stages and args.dtype.startswith("fp8"):
+        stage_weights = (*peers.quantize_fp8(w1, args.dtype), *peers.quantize_fp8(w2, args.dtype))
+    del w1, w2  # the providers hold what they need (the fp8 and low-bit ones their own quantized copies)
     for m in ms:
         sets = peers.make_inputs(m, s.e, s.k, s.topk, args.sets, dev)
         touched = statistics.mean(count_touched(r.topk_ids, s.e) for r in sets)
@@ -150,10 +167,10 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: tim
                 continue
             graph, eager = _time_both([functools.partial(p.fn, r) for r in sets], p.syncs, args)
             yield _report(Row(s, args.dtype, m, p.name, graph, eager, floor, nbytes, flops, touched), t0)
-        if args.stages and w1 is not None:
-            yield from bench_stages(s, m, w1, w2, sets, touched, args, ceil, t0)
+        if stage_weights is not None:
+            yield from bench_stages(s, m, stage_weights, sets, touched, args, ceil, t0)
         del sets
-    del providers, w1, w2
+    del providers, stage_weights
     torch.cuda.empty_cache()
 
 
@@ -167,7 +184,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--providers", default=",".join(PROVIDERS),
                    help="comma list of tmoe,grouped_mm,loop (bf16) and tmoe,scaled_grouped_mm (fp8)")
     p.add_argument("--loop-max-m", type=int, default=1024, help="run the loop peer only up to this M")
-    p.add_argument("--stages", action="store_true", help="also time each tmoe stage alone (bf16)")
+    p.add_argument("--stages", action="store_true", help="also time each tmoe stage alone (bf16, fp8)")
     p.add_argument("--sets", type=int, default=4, help="rotated input sets")
     p.add_argument("--rounds", type=int, default=20, help="minimum timed graph rounds")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (ms)")
@@ -200,8 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = Env(now.isoformat(timespec="seconds"), torch.cuda.get_device_name(), torch.__version__, triton.__version__,
               args.commit or git_commit())
     print(f"# {env.gpu}, torch {env.torch}, triton {env.triton}, commit {env.commit}, {args.dtype}", flush=True)
-    if args.stages and args.dtype != "bf16":
-        print("# --stages times bf16 only: skipped", flush=True)
+    if args.stages and args.dtype not in ("bf16", "fp8_block", "fp8_token"):
+        print("# --stages times bf16 and fp8 only: skipped", flush=True)
     ceil = timing.measure_ceilings(with_fp8=args.dtype.startswith("fp8"))
     ceil_text = ceil.describe()
     print(f"# ceilings: {ceil_text}", flush=True)

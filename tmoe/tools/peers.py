@@ -256,21 +256,45 @@ def providers(dtype: str, w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, 
 
 
 STAGES = ("align", "up", "down", "reduce")
+FP8_STAGES = ("quant", "align", "up", "quant_inter", "down", "reduce")  # fp8: the activation quantizations too
 
 
-def stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs],
-                block_m: int) -> dict[str, list[Call]]:
+def fp8_activation_quant(mode: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The tmoe op that quantizes activations in ``mode``: 1x128 groups (fp8_block) or per token."""
+    ops = torch.ops.tmoe
+    return functools.partial(ops.per_token_group_quant_fp8, group_size=128) if mode == "fp8_block" \
+        else ops.per_token_quant_fp8
+
+
+def stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs], block_m: int, mode: str = "bf16",
+                w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> dict[str, list[Call]]:
     """Per stage, one call per rotation set running that ``torch.ops.tmoe`` op alone on inputs
-    made once by the stages before it (eagerly, here)."""
+    made once by the stages before it (eagerly, here). fp8 modes (w1/w2 fp8 codes with their
+    scales as ``quantize_fp8`` makes them) add the activation quantization before each GEMM,
+    unfused: the layer may fold the intermediate's into the up GEMM's epilogue."""
     ops, e = torch.ops.tmoe, w1.shape[0]
-    calls: dict[str, list[Call]] = {s: [] for s in STAGES}
+    fp8 = mode != "bf16"
+    calls: dict[str, list[Call]] = {s: [] for s in (FP8_STAGES if fp8 else STAGES)}
+    quant = fp8_activation_quant(mode) if fp8 else None
+    scaled = dict(block_shape=[128, 128] if mode == "fp8_block" else None, out_dtype=torch.bfloat16)
     for r in sets:
         m, topk = r.topk_ids.shape
         route = ops.moe_align_block_size(r.topk_ids, block_m, e)  # sorted ids, expert ids, padded count
-        inter = ops.moe_gemm_up(r.x, w1, *route, topk, block_m)  # [M*topk, N]
-        y = ops.moe_gemm_down(inter, w2, *route, topk, block_m).view(m, topk, -1)  # [M, topk, K]
         calls["align"].append(functools.partial(ops.moe_align_block_size, r.topk_ids, block_m, e))
-        calls["up"].append(functools.partial(ops.moe_gemm_up, r.x, w1, *route, topk, block_m))
-        calls["down"].append(functools.partial(ops.moe_gemm_down, inter, w2, *route, topk, block_m))
-        calls["reduce"].append(functools.partial(ops.moe_reduce, y, r.topk_ids, e, r.topk_weights))
+        if fp8:
+            x, x_scale = quant(r.x)
+            up = functools.partial(ops.moe_gemm_up, x, w1, *route, topk, block_m, a_scale=x_scale, w_scale=w1_scale,
+                                   **scaled)
+            inter, inter_scale = quant(up())
+            down = functools.partial(ops.moe_gemm_down, inter, w2, *route, topk, block_m, a_scale=inter_scale,
+                                     w_scale=w2_scale, **scaled)
+            calls["quant"].append(functools.partial(quant, r.x))
+            calls["quant_inter"].append(functools.partial(quant, up()))
+        else:
+            up = functools.partial(ops.moe_gemm_up, r.x, w1, *route, topk, block_m)  # [M*topk, N]
+            down = functools.partial(ops.moe_gemm_down, up(), w2, *route, topk, block_m)
+        calls["up"].append(up)
+        calls["down"].append(down)
+        calls["reduce"].append(functools.partial(ops.moe_reduce, down().view(m, topk, -1), r.topk_ids, e,
+                                                 r.topk_weights))
     return calls
