@@ -1,0 +1,8 @@
+#!/bin/bash
+# device call 2: the fp8 benchmarks (block 128x128, then per-token), every shape and M, with the
+# stage breakdown; each its own run with its own ceilings, results under $OUT/fp8_*
+export PYTHONPATH=$PWD
+for dtype in fp8_block fp8_token; do
+    timeout 270 python -m tmoe bench --dtype $dtype --stages --rep-ms 40 --out $OUT/$dtype --commit "$1" 2>&1 \
+        | grep -v Warning | tee $OUT/bench_$dtype.log | grep -E "^#|tmoe:|stopped|Error" | tail -25
+done
