@@ -295,3 +295,22 @@ def test_fp8_stage_calls_chain_to_the_layer(mode):
     ref = moe_reference(r.x.float(), dequantize_fp8_reference(w1q, s1, block), dequantize_fp8_reference(w2q, s2, block),
                         r.topk_weights, r.topk_ids)
     assert rel_error(out.float(), ref) < 6e-2
+
+
+def test_readme_tables_from_one_runs_rows(tmp_path):
+    """``python -m tmoe tables``: the rows of one commit and dtype pivoted to shapes x M, peers and
+    stages beside tmoe; other commits' rows and absent cells stay out."""
+    from tmoe.tools import tables
+
+    env, other = results.Env("d", "gpu", "t", "tr", "abc1234"), results.Env("d", "gpu", "t", "tr", "old0000")
+    mk = lambda m, prov, graph, eager, floor=5.0: results.Row(SMALL, "bf16", m, prov, graph, eager, floor, 1e6, 1e9, 2.0)  # noqa: E731
+    csv_path = tmp_path / "bench_moe.csv"
+    results.append_csv(csv_path, [mk(1, "tmoe", 10.0, 12.0), mk(1, "grouped_mm", "syncs", 20.0),
+                                  mk(1, "tmoe.up", 4.0, 5.0, 2.0), mk(8, "tmoe", 250.0, 260.0, 200.0)], env)
+    results.append_csv(csv_path, [mk(1, "tmoe", 99.0, 99.0)], other)
+    text = tables.tables(tables.load_rows(csv_path, "abc1234", "bf16"), "bf16")
+    assert "| shape | M=1 | M=8 |" in text
+    assert "| small | 0.50 / 0.25 | 0.80 / n/a |" in text  # floor 5 over 10 µs; the peer's eager 20 µs
+    assert "| small | 10.0 / 12.0 / 20.0 | 250 / 260 / n/a |" in text
+    assert "| small | up 4.0 (0.50) | — |" in text
+    assert tables.main([str(csv_path), "--commit", "nope"]) == 1

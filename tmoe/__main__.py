@@ -1,9 +1,9 @@
-"""``python -m tmoe [demo|bench|tune] ...``: the command-line tools in ``tmoe.tools``."""
+"""``python -m tmoe [demo|bench|bench-ep|tune|tables] ...``: the command-line tools in ``tmoe.tools``."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | tune ... | -h]
+USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | tune ... | tables ... | -h]
 
   demo    (default) a random MoE layer run eager, compiled and (GPU) as a CUDA graph, each
           checked against the float32 reference, with error and time
@@ -11,6 +11,7 @@ USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | tune ... | -
   bench-ep  expert parallelism: all-gather vs all-to-all step, dispatch and combine times and
           bytes per rank (spawns --world-size processes, NCCL); bench-ep -h for options
   tune    tile-config tuning into vLLM-named JSON tables (GPU); tune -h for options
+  tables  the README's benchmark tables from one run's bench_moe.csv rows; tables -h for options
 """
 
 
@@ -31,6 +32,10 @@ def main(argv: list[str]) -> int:
         from tmoe.tools.tune import main as tune_main
 
         return tune_main(rest) or 0
+    if command == "tables":
+        from tmoe.tools.tables import main as tables_main
+
+        return tables_main(rest)
     if command == "demo" and not rest:
         from tmoe.tools.demo import run_demo
 

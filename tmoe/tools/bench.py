@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from tmoe.config import ROUTES as LAYER_ROUTES
 from tmoe.tools import peers, timing
 from tmoe.tools.low_bit import LOW_BIT_DTYPES, value_bytes
 from tmoe.tools.results import Env, Measurement, Row, append_csv, git_commit, markdown_table, row_cells, write_plot
@@ -32,7 +33,7 @@ from tmoe.tools.timing import Call
 DTYPES = ("bf16", "fp8_block", "fp8_token", *LOW_BIT_DTYPES)
 DEFAULT_MS = (1, 8, 64, 256, 1024, 4096, 16384)
 QUICK_MS = (1, 64, 1024)
-ROUTES = ("auto", "sorted", "direct", "slots")
+ROUTES = ("auto", *LAYER_ROUTES)  # auto: the layer's own choice by token count
 PROVIDERS = ("tmoe", "grouped_mm", "scaled_grouped_mm", "loop")  # bf16 runs skip the fp8 peer, fp8 runs the bf16 ones
 
 
@@ -189,8 +190,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="minimum timed graph rounds")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (ms)")
     p.add_argument("--routes", default="auto",
-                   help="comma list of auto,sorted,direct,slots: tmoe by token count, or forced to its aligned, "
-                        "decode or per-slot path (rows tmoe[sorted], tmoe[direct], tmoe[slots])")
+                   help="comma list of auto,sorted,direct,slots,fused: tmoe by token count, or forced to its aligned, "
+                        "decode, per-slot or fused decode path (rows tmoe[sorted], tmoe[direct], ...)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
     shapes, names = args.shapes.split(","), tuple(args.providers.split(","))

@@ -1,0 +1,82 @@
+"""``python -m tmoe tables <bench_moe.csv> --commit C [--dtype D]``: the README's benchmark tables
+(shapes x M) from one benchmark run's CSV rows: fraction of the floor (tmoe / peer), times (tmoe
+graph / tmoe eager / peer eager) and, where the run timed them, the stages (graph µs and fraction of
+each stage's own floor)."""
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+from typing import Sequence
+
+PEERS = {"bf16": "grouped_mm", "fp8_block": "scaled_grouped_mm", "fp8_token": "scaled_grouped_mm"}
+SHAPE_ORDER = ("mixtral", "qwen3", "deepseek")
+
+
+def load_rows(path: Path, commit: str, dtype: str) -> dict[tuple[str, int, str], dict[str, str]]:
+    """The CSV rows of ``commit`` and ``dtype``, keyed by (shape, M, provider); a later row of the
+    same key (a rerun) replaces an earlier one."""
+    with path.open(newline="") as f:
+        return {(r["shape"], int(r["M"]), r["provider"]): r for r in csv.DictReader(f)
+                if r["commit"] == commit and r["dtype"] == dtype}
+
+
+def _grid(rows: dict, cell) -> str:
+    """A Markdown table of ``cell(shape, m)`` over the shapes and Ms present ("—" where absent)."""
+    shapes = sorted({s for s, _, _ in rows}, key=lambda s: (SHAPE_ORDER + (s,)).index(s))
+    ms = sorted({m for _, m, _ in rows})
+    lines = ["| shape | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---|" * len(ms)]
+    for s in shapes:
+        lines.append(f"| {s} | " + " | ".join(cell(s, m) or "—" for m in ms) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _num(row: dict | None, field: str) -> str | None:
+    """The field's value (fractions to 2 decimals, µs to 1 below 100, else whole), or None where
+    the row is absent or has no number."""
+    if row is None or row[field].startswith("n/a"):
+        return None
+    v = float(row[field])
+    return f"{v:.2f}" if field == "fraction" else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def tables(rows: dict, dtype: str) -> str:
+    """The fraction, time and stage tables of one run (Markdown)."""
+    peer = PEERS.get(dtype, "tmoe_bf16")
+    get = lambda s, m, p: rows.get((s, m, p))  # noqa: E731
+
+    def fraction(s, m):
+        own, other = _num(get(s, m, "tmoe"), "fraction"), _num(get(s, m, peer), "fraction")
+        return own and f"{own} / {other or 'n/a'}"
+
+    def times(s, m):
+        own = get(s, m, "tmoe")
+        return own and " / ".join(_num(r, f) or "n/a" for r, f in
+                                  ((own, "graph_us"), (own, "eager_us"), (get(s, m, peer), "eager_us")))
+
+    out = [f"fraction of the floor, tmoe / {peer}:\n", _grid(rows, fraction),
+           f"\nµs, tmoe graph / tmoe eager / {peer} eager:\n", _grid(rows, times)]
+    stages = sorted({p.split(".", 1)[1] for _, _, p in rows if p.startswith("tmoe.")},
+                    key=lambda st: ("quant", "align", "up", "quant_inter", "down", "reduce", st).index(st))
+    if stages:
+        def stage_cells(s, m):
+            parts = [f"{st} {_num(r, 'graph_us')} ({_num(r, 'fraction')})" for st in stages
+                     if (r := get(s, m, f"tmoe.{st}")) is not None and _num(r, "graph_us")]
+            return ", ".join(parts)
+
+        out += ["\nstages alone, graph µs (fraction of the stage's own floor):\n", _grid(rows, stage_cells)]
+    return "".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tmoe tables", description=__doc__.splitlines()[0])
+    p.add_argument("csv", type=Path, help="bench_moe.csv written by python -m tmoe bench")
+    p.add_argument("--commit", required=True, help="the run's commit (the CSV's commit column)")
+    p.add_argument("--dtype", default="bf16")
+    args = p.parse_args(argv)
+    rows = load_rows(args.csv, args.commit, args.dtype)
+    if not rows:
+        print(f"no rows of commit {args.commit} and dtype {args.dtype} in {args.csv}")
+        return 1
+    print(tables(rows, args.dtype), end="")
+    return 0
