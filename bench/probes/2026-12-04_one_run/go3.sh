@@ -1,4 +1,12 @@
 #!/bin/bash
-# device call 3: the GPU tests at the benchmarked tree
+# device call 3: where the large-M GEMM time goes (gemm_bounds.py), ncu of the bf16 GEMMs at
+# Qwen3-30B-A3B and DeepSeek-V3 M=4096, then the GPU tests at the benchmarked tree
 export PYTHONPATH=$PWD
-(timeout 300 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -6) > $OUT/gpu_tests.log 2>&1; cat $OUT/gpu_tests.log
+timeout 150 python bench/probes/2026-12-04_one_run/gemm_bounds.py 2>&1 | grep -v Warn | tee $OUT/gemm_bounds.log
+S="--section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats"
+for c in "qwen3 bf16 4096" "deepseek bf16 4096"; do
+  f=$OUT/ncu_$(echo $c | tr ' ' _).txt
+  timeout 60 ncu --clock-control none -k regex:_moe_gemm --launch-skip 4 --launch-count 2 $S python bench/probes/2026-12-04_low_bit/run1.py $c > $f 2>&1
+  echo "== $c rc=$?"; grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Grid Size|Dynamic Shared|Tensor|Stall" $f | head -40
+done
+(timeout 280 python -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tail -6) > $OUT/gpu_tests.log 2>&1; cat $OUT/gpu_tests.log
