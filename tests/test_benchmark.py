@@ -309,8 +309,8 @@ def test_readme_tables_from_one_runs_rows(tmp_path):
                                   mk(1, "tmoe.up", 4.0, 5.0, 2.0), mk(8, "tmoe", 250.0, 260.0, 200.0)], env)
     results.append_csv(csv_path, [mk(1, "tmoe", 99.0, 99.0)], other)
     text = tables.tables(tables.load_rows(csv_path, "abc1234", "bf16"), "bf16")
-    assert "| shape | M=1 | M=8 |" in text
+    assert "| | M=1 | M=8 |" in text
     assert "| small | 0.50 / 0.25 | 0.80 / n/a |" in text  # floor 5 over 10 µs; the peer's eager 20 µs
     assert "| small | 10.0 / 12.0 / 20.0 | 250 / 260 / n/a |" in text
-    assert "| small | up 4.0 (0.50) | — |" in text
+    assert "| small up | 4.0 (0.50) | — |" in text
     assert tables.main([str(csv_path), "--commit", "nope"]) == 1

@@ -21,13 +21,17 @@ def load_rows(path: Path, commit: str, dtype: str) -> dict[tuple[str, int, str],
                 if r["commit"] == commit and r["dtype"] == dtype}
 
 
-def _grid(rows: dict, cell) -> str:
-    """A Markdown table of ``cell(shape, m)`` over the shapes and Ms present ("—" where absent)."""
+def _shapes_and_ms(rows: dict) -> tuple[list[str], list[int]]:
     shapes = sorted({s for s, _, _ in rows}, key=lambda s: (SHAPE_ORDER + (s,)).index(s))
-    ms = sorted({m for _, m, _ in rows})
-    lines = ["| shape | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---|" * len(ms)]
-    for s in shapes:
-        lines.append(f"| {s} | " + " | ".join(cell(s, m) or "—" for m in ms) + " |")
+    return shapes, sorted({m for _, m, _ in rows})
+
+
+def _grid(labels: Sequence, ms: Sequence[int], cell) -> str:
+    """A Markdown table of ``cell(label, m)`` with one row per label ("—" where it gives nothing)."""
+    lines = ["| | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---|" * len(ms)]
+    for label in labels:
+        name = label if isinstance(label, str) else " ".join(label)
+        lines.append(f"| {name} | " + " | ".join(cell(label, m) or "—" for m in ms) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -54,17 +58,19 @@ def tables(rows: dict, dtype: str) -> str:
         return own and " / ".join(_num(r, f) or "n/a" for r, f in
                                   ((own, "graph_us"), (own, "eager_us"), (get(s, m, peer), "eager_us")))
 
-    out = [f"fraction of the floor, tmoe / {peer}:\n", _grid(rows, fraction),
-           f"\nµs, tmoe graph / tmoe eager / {peer} eager:\n", _grid(rows, times)]
+    shapes, ms = _shapes_and_ms(rows)
+    out = [f"fraction of the floor, tmoe / {peer}:\n\n", _grid(shapes, ms, fraction),
+           f"\nµs, tmoe graph / tmoe eager / {peer} eager:\n\n", _grid(shapes, ms, times)]
     stages = sorted({p.split(".", 1)[1] for _, _, p in rows if p.startswith("tmoe.")},
                     key=lambda st: ("quant", "align", "up", "quant_inter", "down", "reduce", st).index(st))
     if stages:
-        def stage_cells(s, m):
-            parts = [f"{st} {_num(r, 'graph_us')} ({_num(r, 'fraction')})" for st in stages
-                     if (r := get(s, m, f"tmoe.{st}")) is not None and _num(r, "graph_us")]
-            return ", ".join(parts)
+        def stage_cell(label, m):
+            r = get(label[0], m, f"tmoe.{label[1]}")
+            t = _num(r, "graph_us")
+            return t and (f"{t} ({_num(r, 'fraction')})" if label[1] in ("up", "down") else t)
 
-        out += ["\nstages alone, graph µs (fraction of the stage's own floor):\n", _grid(rows, stage_cells)]
+        out += ["\nstages alone, graph µs (GEMMs: and the fraction of their own floor):\n\n",
+                _grid([(s, st) for s in shapes for st in stages], ms, stage_cell)]
     return "".join(out)
 
 
