@@ -127,6 +127,17 @@ def test_low_bit_tables_are_named_and_found(tmp_path, monkeypatch):
     assert get_config(8, 5, 40, 64, 2, dev, group_size=32) != tuned  # bf16's name: no table, heuristic
 
 
+def test_tune_candidates_include_two_programs_per_sm():
+    """At block_m 128 the bf16 candidates include, for each GEMM, a tile whose pipelined operands
+    (num_stages x (A tile + weight tile), bf16) fit twice in the H200's 228 KB of shared memory."""
+    from tmoe.tools.tune import candidates
+
+    for gated in (True, False):
+        smem = [c.num_stages * (c.block_m + c.block_n * (1 + gated)) * c.block_k * 2
+                for c in candidates(128, gated) if not c.tma]
+        assert min(smem) <= 113 * 1024 < max(smem)
+
+
 def test_tune_variant_candidates():
     """The tuner's --tma / --swap / --persistent candidates: each of its kind and valid, none of the
     TMA kinds for low-bit codes, and the CLI refuses those and mixed flags before touching a GPU."""
