@@ -285,11 +285,12 @@ def stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs], bl
             x, x_scale = quant(r.x)
             up = functools.partial(ops.moe_gemm_up, x, w1, *route, topk, block_m, a_scale=x_scale, w_scale=w1_scale,
                                    **scaled)
-            inter, inter_scale = quant(up())
+            h = up()  # [M*topk, N] bf16
+            inter, inter_scale = quant(h)
             down = functools.partial(ops.moe_gemm_down, inter, w2, *route, topk, block_m, a_scale=inter_scale,
                                      w_scale=w2_scale, **scaled)
             calls["quant"].append(functools.partial(quant, r.x))
-            calls["quant_inter"].append(functools.partial(quant, up()))
+            calls["quant_inter"].append(functools.partial(quant, h))
         else:
             up = functools.partial(ops.moe_gemm_up, r.x, w1, *route, topk, block_m)  # [M*topk, N]
             down = functools.partial(ops.moe_gemm_down, up(), w2, *route, topk, block_m)

@@ -22,6 +22,7 @@ def load_rows(path: Path, commit: str, dtype: str) -> dict[tuple[str, int, str],
 
 
 def _shapes_and_ms(rows: dict) -> tuple[list[str], list[int]]:
+    """The run's shapes (Mixtral, Qwen3, DeepSeek-V3 first) and token counts, in order."""
     shapes = sorted({s for s, _, _ in rows}, key=lambda s: (SHAPE_ORDER + (s,)).index(s))
     return shapes, sorted({m for _, m, _ in rows})
 

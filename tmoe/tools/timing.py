@@ -100,8 +100,8 @@ def measure_ceilings(with_fp8: bool, trials: int = 5) -> Ceilings:
     nbytes = src.numel() * src.element_size()
     copy_bw, copy_trials = best(lambda: dst.copy_(src), 2 * nbytes)
     del dst
-    partials = torch.empty(triton.cdiv(src.numel(), min(block * tiles for block, tiles in _READ_SHAPES)), dtype=torch.float32,
-                           device="cuda")
+    fewest = min(block * tiles for block, tiles in _READ_SHAPES)  # elements per program of the widest grid
+    partials = torch.empty(triton.cdiv(src.numel(), fewest), dtype=torch.float32, device="cuda")
     read_trials = tuple(itertools.chain.from_iterable(
         best(lambda: _stream_read(src, partials, block, tiles), nbytes)[1] for block, tiles in _READ_SHAPES))
     read_bw = max(read_trials)
