@@ -55,9 +55,24 @@ def check_align(ids: torch.Tensor, block: int, e: int, expert_map=None) -> None:
     assert bool((expert_ids[ref_len // block :] == 0).all()), "unused tail blocks must be 0"
 
 
+@pytest.fixture(params=["chunks", "sort"])
+def align_path(request, monkeypatch):
+    """Past one chunk: the three launches (default), or the one sorting program with the three
+    launches' first kernel removed, so a case that still took them would fail."""
+    from tmoe.kernels import align
+    from tmoe.kernels.launch import clear_launch_caches
+
+    if request.param == "sort":
+        monkeypatch.setattr(align, "SORT_MAX_SLOTS", 4096)
+        monkeypatch.setattr(align, "_align_count_kernel", None)
+    clear_launch_caches()
+    yield request.param
+    clear_launch_caches()
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_align_cases(case, index_dtype, device):
+def test_align_cases(case, index_dtype, device, align_path):
     g = torch.Generator().manual_seed(case.m * 31 + case.e)
     ids = routing_ids(case.m, case.e, case.topk, case.routing, g).to(index_dtype).to(device)
     check_align(ids, case.block, case.e, half_remote_expert_map(case.e, device) if case.expert_map else None)
@@ -69,6 +84,8 @@ def test_align_cases(case, index_dtype, device):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_align_property(m, e, topk, block, routing, seed):
+    """(Hypothesis: a function-scoped fixture would not reset between examples, so the sorting
+    program is covered by ``test_align_cases`` and ``test_align_sort_matches_chunks``.)"""
     topk = min(topk, e)
     ids = routing_ids(m, e, topk, routing, torch.Generator().manual_seed(seed))
     check_align(ids.to(torch.device("cuda" if torch.cuda.is_available() else "cpu")), block, e)
@@ -98,3 +115,25 @@ def test_align_bad_input(kwargs, error):
     args.update(kwargs)
     with pytest.raises(error, match="topk_ids|block_size|num_experts|expert_map"):
         tmoe.moe_align_block_size(**args)
+
+
+@pytest.mark.parametrize("e, numel", [(8, 4096), (128, 257), (256, 2000), (5, 1500)])
+def test_align_sort_matches_chunks(e, numel, monkeypatch, device):
+    """The sorting program gives exactly the three launches' outputs (``expert_offsets`` and an
+    expert map included), at its largest size and at E above and below the slot count."""
+    from tmoe.kernels import align
+    from tmoe.kernels.launch import clear_launch_caches
+
+    g = torch.Generator().manual_seed(numel + e)
+    ids = torch.randint(-1, e + 1, (numel,), generator=g, dtype=torch.int32).to(device)  # out-of-range ids too
+    emap = half_remote_expert_map(e, device)
+    outs = []
+    for sort_max in (0, 4096):
+        monkeypatch.setattr(align, "SORT_MAX_SLOTS", sort_max)
+        clear_launch_caches()
+        offsets = torch.full((e + 1,), -7, dtype=torch.int32, device=device)
+        outs.append((*align.moe_align_block_size(ids, 16, e, emap, offsets, num_local_experts=int((emap >= 0).sum())),
+                     offsets))
+    clear_launch_caches()
+    for chunks, sort in zip(*outs):
+        assert torch.equal(chunks, sort)

@@ -13,7 +13,8 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = (
-    "_align_count_kernel _align_scan_kernel _align_scatter_kernel _align_single_kernel _batched_dispatch_kernel "
+    "_align_count_kernel _align_scan_kernel _align_scatter_kernel _align_single_kernel _align_sort_kernel "
+    "_batched_dispatch_kernel "
     "_moe_down_reduce_kernel _moe_fused_decode_kernel _moe_gemm_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
     "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_kernel _zero_kernel"
 ).split()
@@ -78,6 +79,10 @@ SCRIPT = textwrap.dedent("""
     tmoe.topk_route(torch.randn(9, 16), 2, scoring="sigmoid", num_expert_group=4, topk_group=2,
                     e_score_correction_bias=torch.zeros(16))
     tmoe.moe_align_block_size(torch.randint(0, 8, (3000, 2), dtype=torch.int32), 16, 8)
+    from tmoe.kernels import align
+    align.SORT_MAX_SLOTS = 4096  # the sorting align program (off by default)
+    tmoe.moe_align_block_size(torch.randint(0, 128, (256, 8), dtype=torch.int32), 16, 128)
+    align.SORT_MAX_SLOTS = 0
     print(" ".join(sorted({name for name, _, _ in compiled})))
     print(sum("cp.async.bulk.tensor" in ptx for _, ptx, _ in compiled), sum("wgmma" in ptx for _, ptx, _ in compiled))
     # swap_ab GEMMs: wgmma (M = block_n) and no mma.sync; low-bit ones take the weights from registers
@@ -131,6 +136,9 @@ SCRIPT = textwrap.dedent("""
         tmoe.per_token_quant_fp8(p.x)
         tmoe.static_quant_fp8(p.x, torch.ones(1))
         tmoe.moe_align_block_size(torch.randint(0, 8, (3000, 2), dtype=torch.int32), 16, 8)
+        align.SORT_MAX_SLOTS = 4096
+        tmoe.moe_align_block_size(torch.randint(0, 128, (256, 8), dtype=torch.int32), 16, 128)
+        align.SORT_MAX_SLOTS = 0
     pdl = [(name, "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, launch_pdl)
            for name, ptx, launch_pdl in compiled]
     print(" ".join(sorted({name for name, waits, launch_pdl in pdl if waits and launch_pdl})))

@@ -4,7 +4,9 @@ Deterministic and stable: within an expert, slots keep ascending slot order. No 
 Small problems (one chunk) take one launch; larger ones three: per-chunk histogram, a
 one-program scan that turns counts into positions, and a per-chunk scatter. A chunk is a few
 sub-tiles, so the serial part of each program stays short and large inputs spread over
-many programs.
+many programs. Up to ``SORT_MAX_SLOTS`` slots, problems past one chunk can instead take one
+launch that sorts (expert, slot) keys in one program (no serial sub-tile steps); the outputs are
+identical.
 """
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ from tmoe.kernels.plan import Launch, planned
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
 SUBS_PER_CHUNK = 4  # sub-tiles each program walks in sequence (each step depends on the last)
+# Slots past one chunk, up to which one sorting program replaces the three launches. 0: off until
+# the H200 times it against them (bench/probes/2026-12-04_one_run/align_probe.py): at Qwen3-30B-A3B
+# M=64 and 256 the three launches took 15.1 and 15.5 us of 300 and 315 (0f6e3ab).
+SORT_MAX_SLOTS = 0
+SORT_SLOT_LIMIT = 4096  # the sorting program holds every slot's key in registers: at most this many
 
 
 @triton.jit
@@ -108,6 +115,33 @@ def _align_single_kernel(
                   offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
                   HAS_MAP, HAS_OFFSETS, TILE)
     _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, 0, starts, numel, num_experts, CHUNK, SUB, E_PAD)
+
+
+@triton.jit(do_not_specialize=['numel', 'max_padded', 'num_blocks'])
+def _align_sort_kernel(
+    topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
+    numel, num_experts, num_local_experts, max_padded, num_blocks,
+    BLOCK_SIZE: tl.constexpr, NUMEL_PAD: tl.constexpr, SLOT_BITS: tl.constexpr, E_PAD: tl.constexpr,
+    HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One program: every slot at once. Sorting the keys expert << SLOT_BITS | slot groups the
+    slots by expert in ascending slot order (out-of-range ids get expert E_PAD: last, not stored);
+    the slot at sorted index j of expert e goes to starts[e] + j - (valid slots of experts < e)."""
+    pdl_wait(USE_PDL)
+    slots = tl.arange(0, NUMEL_PAD)
+    ids = tl.load(topk_ids_ptr + slots, mask=slots < numel, other=-1)
+    valid = (ids >= 0) & (ids < num_experts)
+    totals = tl.histogram(tl.where(valid, ids, 0).to(tl.int32), E_PAD, mask=valid)
+    pdl_launch_dependents(USE_PDL)  # one program: the next kernel's programs take no slot it needs
+    starts, ends = _padded_runs(totals, BLOCK_SIZE)
+    _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+                  offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
+                  HAS_MAP, HAS_OFFSETS, TILE)
+    keys = tl.sort((tl.where(valid, ids, E_PAD).to(tl.int32) << SLOT_BITS) | slots)  # [NUMEL_PAD]
+    expert = keys >> SLOT_BITS
+    shift = starts - (tl.cumsum(totals, axis=0) - totals)  # [E_PAD]: first position minus earlier slots
+    pos = slots + tl.gather(shift, tl.minimum(expert, E_PAD - 1), 0)
+    tl.store(sorted_ids_ptr + pos, keys & ((1 << SLOT_BITS) - 1), mask=expert < E_PAD)
 
 
 @triton.jit(do_not_specialize=['numel'])
@@ -218,7 +252,8 @@ def _align_into(
     num_post_padded: torch.Tensor, *, num_local_experts: int | None,
 ) -> Launch | torch.Tensor:
     """``moe_align_block_size`` into its outputs: checks, then the launches (one kernel up to
-    a chunk of slots: planned, once per signature; more: the count, scan and scatter kernels)."""
+    a chunk of slots, or up to ``SORT_MAX_SLOTS`` the sorting one: planned, once per signature;
+    more: the count, scan and scatter kernels)."""
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=topk_ids.device, contiguous=True)
         if expert_map.shape[0] != num_experts:
@@ -246,6 +281,15 @@ def _align_into(
             num_post_padded_ptr=num_post_padded, expert_map_ptr=emap, offsets_ptr=offsets, numel=numel,
             num_experts=num_experts, num_local_experts=num_local_experts, max_padded=max_padded,
             num_blocks=num_blocks, CHUNK=chunk, SUB=sub, **meta, **pdl,
+        ), sorted_ids)
+    if numel <= min(SORT_MAX_SLOTS, SORT_SLOT_LIMIT):
+        numel_pad = next_power_of_2(numel)
+        return Launch(_align_sort_kernel, (1,), dict(
+            topk_ids_ptr=topk_ids, sorted_ids_ptr=sorted_ids, expert_ids_ptr=expert_ids,
+            num_post_padded_ptr=num_post_padded, expert_map_ptr=emap, offsets_ptr=offsets, numel=numel,
+            num_experts=num_experts, num_local_experts=num_local_experts, max_padded=max_padded,
+            num_blocks=num_blocks, NUMEL_PAD=numel_pad, SLOT_BITS=numel_pad.bit_length() - 1, num_warps=8,
+            **meta, **pdl,
         ), sorted_ids)
     num_chunks = cdiv(numel, chunk)
     counts = torch.empty((num_chunks, e_pad), dtype=torch.int32, device=dev)
