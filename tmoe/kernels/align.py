@@ -26,7 +26,8 @@ SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_
 SUBS_PER_CHUNK = 4  # sub-tiles each program walks in sequence (each step depends on the last)
 # Slots past one chunk, up to which one sorting program replaces the three launches. 0: off until
 # the H200 times it against them (bench/probes/2026-12-04_one_run/align_probe.py): at Qwen3-30B-A3B
-# M=64 and 256 the three launches took 15.1 and 15.5 us of 300 and 315 (0f6e3ab).
+# M=64 and 256 the three launches took 15.1 and 15.5 us of 300 and 315 (0f6e3ab). Read when a call
+# signature is first planned: after changing it, ``tmoe.kernels.launch.clear_launch_caches()``.
 SORT_MAX_SLOTS = 0
 SORT_SLOT_LIMIT = 4096  # the sorting program holds every slot's key in registers: at most this many
 
