@@ -314,3 +314,5 @@ def test_readme_tables_from_one_runs_rows(tmp_path):
     assert "| small | 10.0 / 12.0 / 20.0 | 250 / 260 / n/a |" in text
     assert "| small up | 4.0 (0.50) | — |" in text
     assert tables.main([str(csv_path), "--commit", "nope"]) == 1
+    with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
+        tables.main([str(tmp_path / "missing.csv"), "--commit", "abc1234"])

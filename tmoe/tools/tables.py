@@ -81,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--commit", required=True, help="the run's commit (the CSV's commit column)")
     p.add_argument("--dtype", default="bf16")
     args = p.parse_args(argv)
+    if not args.csv.is_file():
+        p.error(f"no such file: {args.csv}")
     rows = load_rows(args.csv, args.commit, args.dtype)
     if not rows:
         print(f"no rows of commit {args.commit} and dtype {args.dtype} in {args.csv}")
