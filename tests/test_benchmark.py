@@ -221,12 +221,12 @@ def test_scaled_grouped_mm_setup_failure_is_reported(monkeypatch):
     assert p.name == "scaled_grouped_mm" and bm.guarded(lambda: p.fn(None)) == "MemoryError"
 
 
-@pytest.mark.parametrize("block, tiles", [(64, 16), (128, 4), (256, 1)])
-def test_read_ceiling_kernel_reads_every_element_once(block, tiles):
+@pytest.mark.parametrize("block, tiles, warps", [(64, 16, 8), (128, 4, 8), (256, 1, 8), (512, 1, 16), (1024, 1, 32)])
+def test_read_ceiling_kernel_reads_every_element_once(block, tiles, warps):
     """Each read-kernel shape (small stand-ins for ``_READ_SHAPES``) sums every element exactly once."""
     x = torch.randn(3 * block * tiles + 5, dtype=torch.float64).float()
     partials = torch.full((-(-x.numel() // (block * tiles)),), float("nan"))
-    timing._stream_read(x, partials, block, tiles)
+    timing._stream_read(x, partials, block, tiles, warps)
     assert torch.allclose(partials.double().sum(), x.double().sum(), rtol=1e-5, atol=1e-3)
 
 

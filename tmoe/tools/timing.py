@@ -100,10 +100,10 @@ def measure_ceilings(with_fp8: bool, trials: int = 5) -> Ceilings:
     nbytes = src.numel() * src.element_size()
     copy_bw, copy_trials = best(lambda: dst.copy_(src), 2 * nbytes)
     del dst
-    fewest = min(block * tiles for block, tiles in _READ_SHAPES)  # elements per program of the widest grid
+    fewest = min(block * tiles for block, tiles, _ in _READ_SHAPES)  # elements per program of the widest grid
     partials = torch.empty(triton.cdiv(src.numel(), fewest), dtype=torch.float32, device="cuda")
     read_trials = tuple(itertools.chain.from_iterable(
-        best(lambda: _stream_read(src, partials, block, tiles), nbytes)[1] for block, tiles in _READ_SHAPES))
+        best(lambda: _stream_read(src, partials, block, tiles, warps), nbytes)[1] for block, tiles, warps in _READ_SHAPES))
     read_bw = max(read_trials)
     del src, partials
     bf16_steady, bf16_trials = best(lambda: torch.matmul(a, b), 2 * n**3)
@@ -144,8 +144,10 @@ def _burst_rate(fn: Call, work: float, idle_s: float = 0.5, warmup: int = 3, tim
     return timed * work / (1e-3 * start.elapsed_time(end))
 
 
-# (BLOCK, TILES) of the read-bandwidth kernels tried: each program reads TILES blocks of BLOCK elements
-_READ_SHAPES = ((4096, 16), (8192, 4), (16384, 1))
+# (BLOCK, TILES, num_warps) of the read-bandwidth kernels tried: each program reads TILES blocks of BLOCK
+# elements. On the H200 (0f6e3ab) the first three read 4.22, 4.17 and 4.27 TB/s (#14 saw 4.61 with a
+# Triton kernel): the widest one-block programs were fastest, so wider ones, more loads in flight, follow
+_READ_SHAPES = ((4096, 16, 8), (8192, 4, 8), (16384, 1, 8), (32768, 1, 16), (65536, 1, 32))
 
 
 @triton.jit
@@ -158,8 +160,9 @@ def _stream_read_kernel(x_ptr, partial_ptr, numel, BLOCK: tl.constexpr, TILES: t
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
 
 
-def _stream_read(x: torch.Tensor, partials: torch.Tensor, block: int, tiles: int) -> None:
-    """Read every element of ``x`` once: cdiv(numel, block * tiles) programs, each summing ``tiles``
-    blocks of ``block`` elements into its entry of ``partials`` (at least that many elements)."""
+def _stream_read(x: torch.Tensor, partials: torch.Tensor, block: int, tiles: int, num_warps: int = 8) -> None:
+    """Read every element of ``x`` once: cdiv(numel, block * tiles) programs of ``num_warps`` warps,
+    each summing ``tiles`` blocks of ``block`` elements into its entry of ``partials`` (at least
+    that many elements)."""
     grid = triton.cdiv(x.numel(), block * tiles)
-    _stream_read_kernel[(grid,)](x, partials, x.numel(), BLOCK=block, TILES=tiles, num_warps=8)
+    _stream_read_kernel[(grid,)](x, partials, x.numel(), BLOCK=block, TILES=tiles, num_warps=num_warps)
