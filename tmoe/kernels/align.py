@@ -68,11 +68,22 @@ def _write_layout(
 
 
 @triton.jit
-def _chunk_counts(topk_ids_ptr, chunk_start, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
-    offs = chunk_start + tl.arange(0, CHUNK)
+def _slot_experts(topk_ids_ptr, offs, numel, num_experts):
+    """(expert ids, valid) of slots ``offs``: slots past numel read -1; valid: an id in [0, num_experts)."""
     ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
-    valid = (ids >= 0) & (ids < num_experts)
+    return ids, (ids >= 0) & (ids < num_experts)
+
+
+@triton.jit
+def _expert_counts(ids, valid, E_PAD: tl.constexpr):
+    """[E_PAD] int32: the valid slots of each expert."""
     return tl.histogram(tl.where(valid, ids, 0).to(tl.int32), E_PAD, mask=valid)
+
+
+@triton.jit
+def _chunk_counts(topk_ids_ptr, chunk_start, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    ids, valid = _slot_experts(topk_ids_ptr, chunk_start + tl.arange(0, CHUNK), numel, num_experts)
+    return _expert_counts(ids, valid, E_PAD)
 
 
 @triton.jit
@@ -84,8 +95,7 @@ def _scatter_chunk(
     run = base
     for s in range(0, CHUNK, SUB):
         offs = chunk_start + s + tl.arange(0, SUB)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
-        valid = (ids >= 0) & (ids < num_experts)
+        ids, valid = _slot_experts(topk_ids_ptr, offs, numel, num_experts)
         onehot = (ids[:, None] == offs_e[None, :]) & valid[:, None]  # [SUB, E_PAD]
         count = onehot.to(tl.int32)
         rank = tl.cumsum(count, axis=0) - 1 + run[None, :]
@@ -130,9 +140,8 @@ def _align_sort_kernel(
     the slot at sorted index j of expert e goes to starts[e] + j - (valid slots of experts < e)."""
     pdl_wait(USE_PDL)
     slots = tl.arange(0, NUMEL_PAD)
-    ids = tl.load(topk_ids_ptr + slots, mask=slots < numel, other=-1)
-    valid = (ids >= 0) & (ids < num_experts)
-    totals = tl.histogram(tl.where(valid, ids, 0).to(tl.int32), E_PAD, mask=valid)
+    ids, valid = _slot_experts(topk_ids_ptr, slots, numel, num_experts)
+    totals = _expert_counts(ids, valid, E_PAD)
     pdl_launch_dependents(USE_PDL)  # one program: the next kernel's programs take no slot it needs
     starts, ends = _padded_runs(totals, BLOCK_SIZE)
     _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
