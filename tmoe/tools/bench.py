@@ -118,23 +118,19 @@ def _time_both(calls: list[Call], syncs: bool, args: argparse.Namespace) -> tupl
     return graph, eager
 
 
-def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor, ...], sets: list[peers.RoutedInputs],
+def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor | None, ...], sets: list[peers.RoutedInputs],
                  touched: float, args: argparse.Namespace, ceil: timing.Ceilings, t0: float) -> Iterator[Row]:
     """Rows ``tmoe.<stage>``: each stage op timed alone at the block_m the layer uses; ``weights``
-    (w1, w2) in bf16, or (w1, w1_scale, w2, w2_scale) fp8 codes and scales in the fp8 modes."""
+    (w1, w1_scale, w2, w2_scale): bf16 with None scales, or the fp8 modes' codes and scales."""
     import tmoe
 
     fp8 = args.dtype != "bf16"
-    quant = "fp8_w8a8" if fp8 else None
+    w1, w1_scale, w2, w2_scale = weights
     block_shape = (128, 128) if args.dtype == "fp8_block" else None
-    block_m = tmoe.get_config(m, s.e, s.n, s.k, s.topk, weights[0].device, quant=quant,
+    block_m = tmoe.get_config(m, s.e, s.n, s.k, s.topk, w1.device, quant="fp8_w8a8" if fp8 else None,
                               block_shape=block_shape).block_m
     try:
-        if fp8:
-            w1, w1_scale, w2, w2_scale = weights
-            calls = peers.stage_calls(w1, w2, sets, block_m, args.dtype, w1_scale, w2_scale)
-        else:
-            calls = peers.stage_calls(*weights, sets, block_m)
+        calls = peers.stage_calls(w1, w2, sets, block_m, args.dtype, w1_scale, w2_scale)
     except Exception as err:  # noqa: BLE001
         print(f"    stages failed: {type(err).__name__}: {err}", flush=True)
         return
@@ -154,7 +150,7 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: tim
     per_value = value_bytes(args.dtype)
     stage_weights = None
     if args.stages and args.dtype == "bf16":
-        stage_weights = (w1, w2)
+        stage_weights = (w1, None, w2, None)
     elif args.stages and args.dtype.startswith("fp8"):
         stage_weights = (*peers.quantize_fp8(w1, args.dtype), *peers.quantize_fp8(w2, args.dtype))
     del w1, w2  # the providers hold what they need (the fp8 and low-bit ones their own quantized copies)

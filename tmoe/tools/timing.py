@@ -83,12 +83,19 @@ def measure_ceilings(with_fp8: bool, trials: int = 5) -> Ceilings:
     the two (a floor no run can beat), and both sets of trials are recorded; the fp8 rate likewise."""
     import triton.testing
 
+    n = 8192  # the matmuls' size
+
     def best(fn: Call, work: float) -> tuple[float, tuple[float, ...]]:
         rates = tuple(work / (1e-3 * triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
                       for _ in range(trials))
         return max(rates), rates
 
-    n = 8192
+    def best_matmul(fn: Call) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+        """(rate, steady-state trials, burst trials) of an n^3 product."""
+        _, steady = best(fn, 2 * n**3)
+        bursts = tuple(_burst_rate(fn, 2 * n**3) for _ in range(trials))
+        return max(steady + bursts), steady, bursts
+
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     warm_until = time.perf_counter() + 1.0
@@ -103,21 +110,18 @@ def measure_ceilings(with_fp8: bool, trials: int = 5) -> Ceilings:
     fewest = min(block * tiles for block, tiles, _ in _READ_SHAPES)  # elements per program of the widest grid
     partials = torch.empty(triton.cdiv(src.numel(), fewest), dtype=torch.float32, device="cuda")
     read_trials = tuple(itertools.chain.from_iterable(
-        best(lambda: _stream_read(src, partials, block, tiles, warps), nbytes)[1] for block, tiles, warps in _READ_SHAPES))
+        best(lambda: _stream_read(src, partials, block, tiles, warps), nbytes)[1]
+        for block, tiles, warps in _READ_SHAPES))
     read_bw = max(read_trials)
     del src, partials
-    bf16_steady, bf16_trials = best(lambda: torch.matmul(a, b), 2 * n**3)
-    bursts = tuple(_burst_rate(lambda: torch.matmul(a, b), 2 * n**3) for _ in range(trials))
-    bf16_rate = max(bf16_steady, *bursts)
+    bf16_rate, bf16_trials, bursts = best_matmul(lambda: torch.matmul(a, b))
     fp8_rate, fp8_trials, fp8_bursts, note = 2 * bf16_rate, (), (), "fp8 rate = 2 x bf16 (not measured)"
     if with_fp8:
         try:
             a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
             sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
-            fp8_mm = lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)  # noqa: E731
-            fp8_steady, fp8_trials = best(fp8_mm, 2 * n**3)
-            fp8_bursts = tuple(_burst_rate(fp8_mm, 2 * n**3) for _ in range(trials))
-            fp8_rate = max(fp8_steady, *fp8_bursts)
+            fp8_rate, fp8_trials, fp8_bursts = best_matmul(
+                lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
             note = "fp8 rate: torch._scaled_mm, row-wise scales, the best of steady-state and burst trials"
         except Exception as err:  # noqa: BLE001  (fall back, noted)
             note = f"fp8 rate = 2 x bf16 (torch._scaled_mm failed: {type(err).__name__})"
