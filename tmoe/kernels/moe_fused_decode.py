@@ -235,8 +235,9 @@ def moe_fused_decode(
     Shapes were checked by the caller. Planned: the body runs once per static signature.
     """
     m, topk = topk_ids.shape
-    mul = w1_rows_per_n(activation) == 2
-    n, k = w1.shape[1] // w1_rows_per_n(activation), x.shape[1]
+    rows_per_n = w1_rows_per_n(activation)
+    mul = rows_per_n == 2
+    n, k = w1.shape[1] // rows_per_n, x.shape[1]
     if m == 0 or n == 0 or k == 0:
         return partial
     budget = shared_memory_budget(x.device)

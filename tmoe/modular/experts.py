@@ -90,12 +90,12 @@ class TritonExperts(_TritonExpertsBase):
         qc = self.quant_config
         return qc.quant_dtype is None and use_fused_route(m, n, k, low_bit=qc.weight_dtype is not None)
 
-    def _fused_decode(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+    def _fused_decode(self, n, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
                       expert_map, w1_scale, w2_scale, apply_router_weight_on_input, w1_bias, w2_bias, w1_zp, w2_zp,
                       **act_options) -> None:
-        """The fused decode path: partial sums per (slot, intermediate block), then their reduce into output (M, K)."""
+        """The fused decode path (intermediate size ``n``): partial sums per (slot, intermediate block),
+        then their reduce into output (M, K)."""
         m, k = hidden_states.shape
-        n = w1.shape[1] // w1_rows_per_n(activation)
         cfg = fused_decode_config(m, n, k, topk_ids.shape[1], hidden_states.device)
         partial = torch.empty((topk_ids.numel(), fused_decode_blocks(n, cfg), k), dtype=torch.float32,
                               device=hidden_states.device)
@@ -117,7 +117,7 @@ class TritonExperts(_TritonExpertsBase):
         m, k = hidden_states.shape
         n = w1.shape[1] // w1_rows_per_n(activation)
         if output.dim() == 2 and self._fused(m, n, k):
-            self._fused_decode(output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+            self._fused_decode(n, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
                                expert_map, w1_scale, w2_scale, apply_router_weight_on_input, w1_bias, w2_bias,
                                w1_zp, w2_zp, **act_options)
             return
