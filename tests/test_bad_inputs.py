@@ -205,6 +205,8 @@ ROWS = [
         r"w1 must be int4 codes of shape \(4, 128, 32\)"),
     Row("int4-w2-unpacked", _low_bit("int4", w2=lambda p, a: a["w2"].repeat(1, 1, 2)), ValueError,
         r"w2 must be int4 codes of shape \(4, 64, 32\)"),
+    Row("int4-no_mul-w1-gated-shape", _low_bit("int4", activation="relu2_no_mul"), ValueError,
+        r"w1 must be \(E, N, K / 2\) for activation 'relu2_no_mul': w2 \(E, K, N / 2=32\) needs 64 rows of w1, got 128"),
     Row("int4-float-weights", _low_bit("int4", w1=lambda p, a: p.w1), TypeError, "w1 must have dtype in .*uint8"),
     Row("int4-missing-w2_scale", _low_bit("int4", w2_scale=None), ValueError, "int4 experts need w2_scale"),
     Row("int4-scale-shape", _low_bit("int4", w1_scale=lambda p, a: a["w1_scale"][..., :1]), ValueError,

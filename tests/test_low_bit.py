@@ -33,10 +33,11 @@ class Case:
     shape: MoEShape
     dtype: torch.dtype
     routing: str = "uniform"
+    activation: str = "silu"
 
     def __str__(self) -> str:
         zp = "zp" if self.zero_point else "nozp"
-        return f"{self.scheme}-g{self.group}-{zp}-{self.shape}-{str(self.dtype)[6:]}-{self.routing}"
+        return f"{self.scheme}-g{self.group}-{zp}-{self.shape}-{str(self.dtype)[6:]}-{self.routing}-{self.activation}"
 
     @property
     def config(self) -> tmoe.FusedMoEQuantConfig:
@@ -54,21 +55,24 @@ def quantize(w: torch.Tensor, case: Case) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def run_case(case: Case, kernel: tmoe.FusedMoEModularKernel | None = None, **layer):
-    """(layer output, float32 reference on the dequantized weights); ``layer``: expert_map etc."""
+    """(layer output, float32 reference on the dequantized weights); ``layer``: expert_map etc.
+    A *_no_mul activation takes the first N rows of the problem's (E, 2N, K) w1."""
     p = make_problem(case.shape, case.dtype, case.routing, seed=case.shape.m + case.group, device=DEVICE)
     w1, w2 = p.w1, p.w2
+    if case.activation.endswith("_no_mul"):
+        w1 = w1[:, : w1.shape[1] // 2].contiguous()
     if "expert_map" in layer:  # this rank holds the even experts
         local = torch.arange(case.shape.e, device=DEVICE)[layer["expert_map"] >= 0]
         w1, w2 = w1[local].contiguous(), w2[local].contiguous()
     q1, s1, z1, d1 = quantize(w1, case)
     q2, s2, z2, d2 = quantize(w2, case)
     args = (p.x, q1, q2, p.topk_weights, p.topk_ids)
-    quant = dict(w1_scale=s1, w2_scale=s2, w1_zp=z1, w2_zp=z2, **layer)
+    quant = dict(w1_scale=s1, w2_scale=s2, w1_zp=z1, w2_zp=z2, activation=case.activation, **layer)
     if kernel is None:
         out = tmoe.fused_experts(*args, quant_config=case.config, **quant)
     else:
         out = kernel(*args, **quant)
-    return out, moe_reference(p.x, d1, d2, p.topk_weights, p.topk_ids, **layer)
+    return out, moe_reference(p.x, d1, d2, p.topk_weights, p.topk_ids, activation=case.activation, **layer)
 
 
 # K and N are not multiples of the tiles (block_n 64, block_k = the group), and K not of the group
@@ -172,7 +176,21 @@ def test_low_bit_expert_map(scheme, route):
     assert bool(all_remote.any()) and bool((out[all_remote] == 0).all()), "remote-only tokens must be exactly zero"
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[7]], ids=str)
+# non-gated activations: w1 (E, N, K / p) low-bit codes, its zero points (int4) two rows per byte
+NO_MUL_CASES = [
+    Case("int4", 32, True, MoEShape(5, 4, 48, 80, 2), torch.bfloat16, activation="relu2_no_mul"),
+    Case("int8", 64, False, MoEShape(7, 4, 40, 136, 2), torch.float32, "out_of_range", activation="silu_no_mul"),
+    Case("mxfp4", 32, False, MoEShape(9, 4, 64, 80, 3), torch.float16, "skewed", activation="gelu_no_mul"),
+]
+
+
+@pytest.mark.parametrize("case", NO_MUL_CASES, ids=str)
+def test_low_bit_no_mul(case, route):
+    out, ref = run_case(case)
+    assert_close(out, ref, case.dtype)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[7], NO_MUL_CASES[0]], ids=str)
 def test_low_bit_batched(case):
     m, e, topk = case.shape.m, case.shape.e, case.shape.topk
     kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(m * topk, e),

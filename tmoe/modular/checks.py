@@ -17,32 +17,34 @@ _TENSORS = ("expert_map", "w1_scale", "w2_scale", "a1_scale", "a2_scale", "w1_bi
 
 def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[int, int]:
     """Weight-only int4/int8/mxfp4 (layouts: ``tmoe.kernels.gemm_args.WeightScales``): w1 uint8
-    (E, 2N, K / p), w2 uint8 (E, K, N / p), p = 2 for the 4-bit schemes; scales (E, rows,
-    cdiv(K_in, g)), float (e8m0 uint8 for mxfp4); zero points uint8 (E, rows / p, cdiv(K_in, g)).
-    Returns (E, 2N)."""
+    (E, 2N, K / p) ((E, N, K / p) for a *_no_mul activation), w2 uint8 (E, K, N / p), p = 2 for the
+    4-bit schemes; scales (E, rows, cdiv(K_in, g)), float (e8m0 uint8 for mxfp4); zero points uint8
+    (E, rows / p, cdiv(K_in, g)). Returns (E, w1 rows)."""
     x, wd, g = args.hidden_states, quant.weight_dtype, quant.group_size
     check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
-    if w1_rows_per_n(args.activation) != 2:
-        raise ValueError(f"{wd} weights need a gated activation (w1 with gate and up rows), not {args.activation!r}")
     k = x.shape[1]
     pack = 1 if wd == "int8" else 2
     for name in ("w1", "w2"):
         check_tensor(name, getattr(args, name), dtypes=(torch.uint8,), ndim=3, device=x.device)
-    e, two_n = args.w1.shape[0], args.w1.shape[1]
-    n = two_n // 2
-    if two_n % 2:
-        raise ValueError(f"w1 must be (E, 2N, K) with gate rows then up rows; got {two_n} rows")
+    per_n = w1_rows_per_n(args.activation)
+    e, w1_rows = args.w1.shape[0], args.w1.shape[1]
+    n = w1_rows // per_n
+    if w1_rows % per_n:
+        raise ValueError(f"w1 must be (E, 2N, K) with gate rows then up rows; got {w1_rows} rows")
+    if per_n == 1 and args.w2.shape[2] * pack * 2 == w1_rows:  # gate and up rows for a non-gated activation
+        raise ValueError(f"w1 must be (E, N, K / {pack}) for activation {args.activation!r}: w2 (E, K, "
+                         f"N / {pack}={args.w2.shape[2]}) needs {w1_rows // 2} rows of w1, got {w1_rows}")
     if pack == 2 and (k % 2 or n % 2):
         raise ValueError(f"{wd} packs two values per byte along K: the hidden size K={k} and the intermediate "
                          f"size N={n} must be even")
-    for name, shape in (("w1", (e, two_n, k // pack)), ("w2", (e, k, n // pack))):
+    for name, shape in (("w1", (e, w1_rows, k // pack)), ("w2", (e, k, n // pack))):
         w = getattr(args, name)
         if tuple(w.shape) != shape:
             raise ValueError(f"{name} must be {wd} codes of shape {shape} (packed {pack} per byte along its last "
                              f"dimension) for hidden_states (M, K={k}); got {tuple(w.shape)}")
     if args.a1_scale is not None or args.a2_scale is not None:
         raise ValueError(f"a1_scale/a2_scale are fp8 activation scales; {wd} weights keep activations unquantized")
-    for name, rows, cols in (("w1", two_n, k), ("w2", k, n)):
+    for name, rows, cols in (("w1", w1_rows, k), ("w2", k, n)):
         scale, zp = getattr(args, f"{name}_scale"), getattr(args, f"{name}_zp")
         if scale is None:
             raise ValueError(f"{wd} experts need {name}_scale")
@@ -53,7 +55,7 @@ def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[
                 raise ValueError(f"mxfp4 weights have no zero points; got {name}_zp")
             check_tensor(f"{name}_zp", zp, dtypes=(torch.uint8,), ndim=3)
             check_shape(f"{name}_zp", zp, (e, rows // pack, cdiv(cols, g)))
-    return e, two_n
+    return e, w1_rows
 
 
 def call_signature(args: LayerArgs) -> tuple:
@@ -76,7 +78,7 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
     m, k = x.shape
     if quant.weight_dtype is not None:
         e, rows = check_low_bit_weights(args, quant)
-        n = rows // 2
+        n = rows // w1_rows_per_n(args.activation)
     else:
         e, rows, n = _check_weights(args, quant)
     check_tensor("topk_ids", args.topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=dev, contiguous=True)
