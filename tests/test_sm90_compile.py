@@ -65,6 +65,10 @@ SCRIPT = textwrap.dedent("""
         for route in ("sorted", "direct", "fused"):
             with tmoe.override_route(route):
                 tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, **low_bit)
+        if scheme == "int4":  # a non-gated activation: w1 (E, N, K / 2), its zero points two rows per byte
+            n1, t1, y1 = tmoe.quantize_weight_int4(p.w1[:, : p.w1.shape[1] // 2].contiguous(), g, zero_point=True)
+            tmoe.fused_experts(p.x, n1, q2, p.topk_weights, p.topk_ids, activation="relu2_no_mul",
+                               **{**low_bit, "w1_scale": t1, "w1_zp": y1})
         swap = tmoe.GemmConfig(16, 64, g, swap_ab=True)  # swap_ab: the weights as wgmma's LHS at block_m 16
         with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(swap, swap)):
             tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, **low_bit)
