@@ -15,7 +15,8 @@ from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LAYOUTS = ["sorted", "direct", "batched"]
+LAYOUTS = ["sorted", "direct", "slots", "fused", "batched"]
+FP8_LAYOUTS = ["sorted", "direct", "slots", "batched"]  # the fused decode kernel takes no fp8 activations
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ ACTS = [
 
 
 def run_layout(layout: str, x, w1, w2, weights, ids, **kwargs) -> torch.Tensor:
-    """The layer on one row layout: sorted or direct (Standard format), or batched."""
+    """The layer on one row layout: a Standard-format route (sorted, direct, slots, fused), or batched."""
     if layout == "batched":
         m, topk = ids.shape
         kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(m * topk, w1.shape[0]),
@@ -79,7 +80,7 @@ def test_activation_matches_reference(act, layout, variant):
     assert_close(out, moe_reference(p.x, w1, p.w2, p.topk_weights, p.topk_ids, **kwargs), dtype, name=str(act))
 
 
-@pytest.mark.parametrize("layout", ["sorted", "direct"])  # the Batched prepare refuses the option
+@pytest.mark.parametrize("layout", ["sorted", "direct", "slots", "fused"])  # the Batched prepare refuses the option
 def test_no_mul_router_weight_on_input(layout):
     """apply_router_weight_on_input scales the input of a non-gated activation (relu² is not
     homogeneous of degree 1, so the weight's place shows)."""
@@ -91,11 +92,13 @@ def test_no_mul_router_weight_on_input(layout):
     assert_close(out, moe_reference(p.x, w1, p.w2, weights, p.topk_ids, **kwargs), torch.float32)
 
 
-FP8_ACTS = [Act("silu_no_mul"), Act("relu2_no_mul"), Act("silu", dict(swiglu_limit=0.3)),
+FP8_ACTS = [Act("silu_no_mul"), Act("gelu_no_mul"), Act("relu2_no_mul"), Act("silu", dict(swiglu_limit=0.3)),
+            Act("silu", dict(gate_up_interleaved=True)), Act("gelu_tanh"),
+            Act("swigluoai", dict(swiglu_alpha=1.3, swiglu_limit=0.4), bias=True),
             Act("swigluoai", dict(gate_up_interleaved=True, swiglu_alpha=1.1, swiglu_limit=0.6), bias=True)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", FP8_LAYOUTS)
 @pytest.mark.parametrize("act", FP8_ACTS, ids=str)
 def test_fp8_epilogue_quant(act, layout, monkeypatch):
     """Block fp8 with the up GEMM quantizing its activated tile in the epilogue (block_n 128): no

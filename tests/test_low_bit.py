@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import tmoe
+from tmoe.config import ROUTES
 from tmoe.reference import (
     dequantize_int_reference, dequantize_mxfp4_reference, moe_reference, pack_int4_reference, unpack_int4_reference,
 )
@@ -85,6 +86,8 @@ CASES = [
     Case("int8", 64, True, MoEShape(0, 4, 64, 64, 2), torch.float32),
     Case("mxfp4", 32, False, MoEShape(5, 4, 48, 96, 2), torch.float32),
     Case("mxfp4", 32, False, MoEShape(9, 4, 64, 80, 3), torch.bfloat16, "skewed"),
+    Case("int4", 128, False, MoEShape(6, 4, 48, 200, 2), torch.bfloat16),
+    Case("int8", 64, False, MoEShape(5, 3, 40, 136, 2), torch.float16, "out_of_range"),
 ]
 
 
@@ -163,11 +166,10 @@ def test_low_bit_swap_ab(case, groups_per_step, layout):
     assert_close(out, ref, case.dtype)
 
 
-@pytest.mark.parametrize("scheme", ["int4", "mxfp4"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "mxfp4"])
 def test_low_bit_expert_map(scheme, route):
     """Global E=8, the even experts local: remote and out-of-range slots contribute exactly zero."""
-    case = Case(scheme, 32, True if scheme == "int4" else False, MoEShape(11, 8, 48, 64, 2), torch.float32,
-                "out_of_range")
+    case = Case(scheme, 32, scheme != "mxfp4", MoEShape(11, 8, 48, 64, 2), torch.float32, "out_of_range")
     emap = half_remote_expert_map(8, DEVICE)
     out, ref = run_case(case, global_num_experts=8, expert_map=emap)
     assert_close(out, ref, torch.float32)
@@ -190,6 +192,18 @@ def test_low_bit_no_mul(case, route):
     assert_close(out, ref, case.dtype)
 
 
+@pytest.mark.parametrize("scheme", ["int4", "int8", "mxfp4"])
+def test_low_bit_gpt_oss_options(scheme, route):
+    """GPT-OSS's layer options on low-bit weights: swigluoai with its alpha and limit as runtime
+    floats, gate and up rows interleaved, both biases."""
+    case = Case(scheme, 32, scheme != "mxfp4", MoEShape(6, 4, 48, 64, 2), torch.bfloat16, "out_of_range",
+                activation="swigluoai")
+    biases = dict(w1_bias=torch.randn(4, 96, device=DEVICE).to(case.dtype),
+                  w2_bias=torch.randn(4, 64, device=DEVICE).to(case.dtype))
+    out, ref = run_case(case, swiglu_alpha=1.3, swiglu_limit=0.5, gate_up_interleaved=True, **biases)
+    assert_close(out, ref, case.dtype)
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[7], NO_MUL_CASES[0]], ids=str)
 def test_low_bit_batched(case):
     m, e, topk = case.shape.m, case.shape.e, case.shape.topk
@@ -199,18 +213,20 @@ def test_low_bit_batched(case):
     assert_close(out, ref, case.dtype)
 
 
-def test_low_bit_batched_expert_map():
-    """Batched format, global E=8 with the even experts local (4 batches), int8 with zero points."""
-    case = Case("int8", 32, True, MoEShape(9, 8, 48, 64, 2), torch.float32, "out_of_range")
+@pytest.mark.parametrize("scheme", ["int4", "int8", "mxfp4"])
+def test_low_bit_batched_expert_map(scheme):
+    """Batched format, global E=8 with the even experts local (4 batches), int with zero points."""
+    case = Case(scheme, 32, scheme != "mxfp4", MoEShape(9, 8, 48, 64, 2), torch.float32, "out_of_range")
     emap = half_remote_expert_map(8, DEVICE)
     kernel = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(18, 4), tmoe.BatchedTritonExperts(18, case.config))
     out, ref = run_case(case, kernel, global_num_experts=8, expert_map=emap)
     assert_close(out, ref, torch.float32)
 
 
-def test_low_bit_compiles_once():
-    """fullgraph + dynamic: one graph over M for int4 with zero points, equal to eager."""
-    case = Case("int4", 32, True, MoEShape(1, 4, 48, 64, 4), torch.float32)
+@pytest.mark.parametrize("scheme", ["int4", "int8", "mxfp4"])
+def test_low_bit_compiles_once(scheme):
+    """fullgraph + dynamic: one graph over M for each scheme (int with zero points), equal to eager."""
+    case = Case(scheme, 32, scheme != "mxfp4", MoEShape(1, 4, 48, 64, 4), torch.float32)
     p = make_problem(MoEShape(8, 4, 48, 64, 4), torch.float32, "uniform", seed=3, device=DEVICE)
     q1, s1, z1, _ = quantize(p.w1, case)
     q2, s2, z2, _ = quantize(p.w2, case)
@@ -280,8 +296,8 @@ def test_mxfp4_reference_matches_transformers():
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["int4", "int8", "mxfp4"])
 def test_low_bit_model_shapes_and_graph_replay(scheme):
-    """Qwen3-30B-A3B shape on the H200: every M against the reference, and a CUDA graph replayed
-    on new routing equal to eager bit for bit."""
+    """Qwen3-30B-A3B shape on the H200: every M on every route against the reference, and on every
+    route a CUDA graph replayed on new routing equal to eager bit for bit."""
     from tmoe.testing import capture_cuda_graph
 
     e, n, k, topk = 128, 768, 2048, 8
@@ -296,7 +312,7 @@ def test_low_bit_model_shapes_and_graph_replay(scheme):
     for m in (1, 8, 64, 256, 1024):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         weights, ids = torch.topk(torch.randn(m, e, device="cuda").softmax(-1), topk)
-        for route in ("sorted", "direct"):
+        for route in ROUTES:
             with tmoe.override_route(route):
                 out = kernel(x, q1, q2, weights, ids.int(), **opts)
             assert_close(out, moe_reference(x, d1, d2, weights, ids), torch.bfloat16, name=f"M={m} {route}")
@@ -304,16 +320,18 @@ def test_low_bit_model_shapes_and_graph_replay(scheme):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     weights, ids = torch.topk(torch.randn(m, e, device="cuda").softmax(-1), topk)
     ids = ids.int()
-    kernel.warmup(m, q1, q2, topk, **opts)
-    graph, out = capture_cuda_graph(lambda: kernel(x, q1, q2, weights, ids, **opts))
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        new_w, new_ids = torch.topk(torch.randn(m, e, device="cuda").softmax(-1), topk)
-        weights.copy_(new_w)
-        ids.copy_(new_ids)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, kernel(x, q1, q2, weights, ids, **opts))
+    for route in ROUTES:
+        with tmoe.override_route(route):
+            kernel.warmup(m, q1, q2, topk, **opts)
+            graph, out = capture_cuda_graph(lambda: kernel(x, q1, q2, weights, ids, **opts))
+            for _ in range(3):
+                x.copy_(torch.randn_like(x))
+                new_w, new_ids = torch.topk(torch.randn(m, e, device="cuda").softmax(-1), topk)
+                weights.copy_(new_w)
+                ids.copy_(new_ids)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out, kernel(x, q1, q2, weights, ids, **opts)), route
 
 
 @pytest.mark.gpu

@@ -51,7 +51,9 @@ def _cases():
 
 
 def _low_bit_cases(p, emap) -> dict:
-    """The layer op with int4 weights and zero points (expert_map, two experts local) and mxfp4 weights."""
+    """The layer op with int4 weights and zero points (expert_map, two experts local), mxfp4 weights,
+    int8 weights without zero points in the batched format, and the in-place op with int4 weights
+    without zero points."""
     q1, s1, z1 = tmoe.quantize_weight_int4(p.w1[:2], 32)
     q2, s2, z2 = tmoe.quantize_weight_int4(p.w2[:2], 32)
     int4 = LayerArgs(p.x, q1, q2, p.topk_weights, p.topk_ids, global_num_experts=4, expert_map=emap, w1_scale=s1,
@@ -59,10 +61,22 @@ def _low_bit_cases(p, emap) -> dict:
     (m1, t1), (m2, t2) = tmoe.quantize_weight_mxfp4(p.w1), tmoe.quantize_weight_mxfp4(p.w2)
     mxfp4 = LayerArgs(p.x, m1, m2, p.topk_weights, p.topk_ids, w1_scale=t1, w2_scale=t2)
 
+    (i1, u1, _), (i2, u2, _) = (tmoe.quantize_weight_int8(w, 32, zero_point=False) for w in (p.w1, p.w2))
+    int8 = LayerArgs(p.x, i1, i2, p.topk_weights, p.topk_ids, w1_scale=u1, w2_scale=u2)
+    (n1, v1, _), (n2, v2, _) = (tmoe.quantize_weight_int4(w, 64, zero_point=False) for w in (p.w1, p.w2))
+    int4_no_zp = LayerArgs(p.x.clone(), n1, n2, p.topk_weights, p.topk_ids, w1_scale=v1, w2_scale=v2)
+
     def spec(quant):
         return tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts(quant)).spec.as_args()
 
+    int8_cfg = tmoe.FusedMoEQuantConfig(weight_dtype="int8", group_size=32)
+    batched = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(18, 4),
+                                         tmoe.BatchedTritonExperts(18, int8_cfg)).spec.as_args()
     return {
+        "modular_forward_int8_batched": (torch.ops.tmoe.modular_forward, (*int8, *batched)),
+        "modular_forward__int4_no_zp": (torch.ops.tmoe.modular_forward_,
+                                        (*int4_no_zp, *spec(tmoe.FusedMoEQuantConfig(weight_dtype="int4",
+                                                                                       group_size=64)))),
         "modular_forward_int4": (torch.ops.tmoe.modular_forward,
                                  (*int4, *spec(tmoe.FusedMoEQuantConfig(weight_dtype="int4", group_size=32)))),
         "modular_forward_mxfp4": (torch.ops.tmoe.modular_forward,
