@@ -1,7 +1,8 @@
 """Expert parallelism, both PrepareAndFinalize implementations (all-gather and all-to-all) on
 every rank against the single-process float32 reference over all experts: gloo on CPU with 2
 and 4 processes (one spawn per world size runs every case), NCCL on >= 2 GPUs, and a CUDA-graph
-replay of an all-to-all step with new routing (1 GPU, world size 1).
+replay of an all-to-all and an all-gather step with new routing (world sizes 1, 2 and 4, as
+many as there are GPUs).
 
 Tolerances: ``TOLERANCES["bfloat16"]`` and ``["fp8"]`` (tmoe.testing.tolerance); the fp8
 reference runs on the dequantized weights and the group-quantized-then-dequantized input (the
@@ -247,7 +248,9 @@ def test_expert_parallel_nccl():
         _spawn(_rank_main, 4, "nccl")
 
 
-def _graph_main(rank: int, world: int, init_file: str) -> None:
+def _graph_main(rank: int, world: int, init_file: str, kind: str) -> None:
+    """One layer step of ``kind`` ("alltoall" or "allgather") captured as a CUDA graph, replayed on
+    new routing (skewed, so that the all-to-all's capacity overflows) and compared with eager calls."""
     import tmoe
     from tmoe.testing import assert_close, capture_cuda_graph
 
@@ -255,8 +258,12 @@ def _graph_main(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         dev, m, e = torch.device("cuda", rank), 64, 16
-        pf = tmoe.AllToAllPrepareAndFinalize(None, m, e, capacity=8, placement="round_robin")
-        kernel = tmoe.FusedMoEModularKernel(pf, tmoe.BatchedTritonExperts(pf.expert_capacity))
+        if kind == "alltoall":
+            pf = tmoe.AllToAllPrepareAndFinalize(None, m, e, capacity=8, placement="round_robin")
+            kernel = tmoe.FusedMoEModularKernel(pf, tmoe.BatchedTritonExperts(pf.expert_capacity))
+        else:
+            pf = tmoe.AllGatherPrepareAndFinalize()
+            kernel = tmoe.FusedMoEModularKernel(pf, tmoe.TritonExperts())
         emap = expert_map(e, world, rank, "round_robin", dev)
         w1 = shard_experts(torch.randn(e, 256, 128, device=dev, dtype=torch.bfloat16) / 11, world, rank, "round_robin")
         w2 = shard_experts(torch.randn(e, 128, 128, device=dev, dtype=torch.bfloat16) / 11, world, rank, "round_robin")
@@ -264,29 +271,36 @@ def _graph_main(rank: int, world: int, init_file: str) -> None:
         weights, ids = torch.randn(m, e, device=dev).softmax(-1).topk(4)
         ids = ids.to(torch.int32)
         step = lambda: kernel(x, w1, w2, weights, ids, global_num_experts=e, expert_map=emap)  # noqa: E731
-        pf.dropped_slots(dev)
+        if kind == "alltoall":
+            pf.dropped_slots(dev)
         graph, out = capture_cuda_graph(step)
         for seed in range(3):  # new routing, skewed so that some slots overflow
-            torch.manual_seed(seed)
+            torch.manual_seed(seed + 10 * rank)
             skew = torch.linspace(0, 4, e, device=dev)
             new_w, new_ids = (torch.randn(m, e, device=dev) + skew).softmax(-1).topk(4)
             x.copy_(torch.randn_like(x))
             weights.copy_(new_w)
             ids.copy_(new_ids.to(torch.int32))
-            before = int(pf.dropped_slots(dev))
+            before = int(pf.dropped_slots(dev)) if kind == "alltoall" else 0
             graph.replay()
             torch.cuda.synchronize()
-            replayed, from_graph = out.clone(), int(pf.dropped_slots(dev)) - before
+            replayed = out.clone()
+            from_graph = int(pf.dropped_slots(dev)) - before if kind == "alltoall" else 0
             eager = step()
-            assert_close(replayed, eager, torch.bfloat16, name=f"graph replay {seed}")
-            assert from_graph == int(pf.dropped_slots(dev)) - before - from_graph > 0
+            assert_close(replayed, eager, torch.bfloat16, name=f"{kind} world {world} rank {rank} replay {seed}")
+            if kind == "alltoall":
+                assert from_graph == int(pf.dropped_slots(dev)) - before - from_graph > 0
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.gpu
-def test_alltoall_cuda_graph_replay_new_routing():
-    _spawn(_graph_main, 1)
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_cuda_graph_replay_new_routing(kind, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    _spawn(_graph_main, world, kind)
 
 
 @pytest.mark.parametrize("placement", ["contiguous", "round_robin"])
