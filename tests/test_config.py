@@ -138,6 +138,19 @@ def test_tune_candidates_include_two_programs_per_sm():
         assert min(smem) <= 113 * 1024 < max(smem)
 
 
+def test_tune_fp8_decode_candidates_include_swap_ab():
+    """fp8 below block_m 64: the tuner times swap_ab tiles (wgmma on fp8) beside the plain ones
+    (mma.sync on weights converted to fp16); not at block_m 64, and not in bf16."""
+    from tmoe.tools.tune import candidates
+
+    for quant in ("fp8_block", "fp8_token"):
+        small = candidates(16, True, quant)
+        assert any(c.swap_ab for c in small) and any(not c.swap_ab for c in small)
+        assert all(c.block_n >= 64 and not c.tma for c in small if c.swap_ab)
+        assert not any(c.swap_ab for c in candidates(64, True, quant))
+    assert not any(c.swap_ab for c in candidates(16, True))
+
+
 def test_tune_variant_candidates():
     """The tuner's --tma / --swap / --persistent candidates: each of its kind and valid, none of the
     TMA kinds for low-bit codes, and the CLI refuses those and mixed flags before touching a GPU."""

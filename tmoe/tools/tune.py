@@ -80,7 +80,10 @@ def block_ms(m: int, e: int, topk: int) -> list[int]:
 def candidates(block_m: int, gated: bool, quant: str = "none",
                tma: tuple[bool, ...] | None = None) -> list[GemmConfig]:
     """Tile configs to time; ``tma`` None: pointer loads, and TMA weight tiles too from block_m 64
-    (on smaller tiles TMA was within 1% in the H200 retune)."""
+    (on smaller tiles TMA was within 1% in the H200 retune), and for fp8 below block_m 64 the
+    ``swap_ab`` pointer tiles (block_n >= 64) too: there the plain tiles compile to mma.sync with
+    every fp8 weight converted to fp16 first, swap_ab ones to wgmma on fp8
+    (bench/results/2026-12-04_fp8_swap_ptx_sm90.log)."""
     if quant in LOW_BIT:  # each tile, and with block_k capped at the group (one scale per K step); no TMA
         tiles = (SMALL_TILES + LOW_BIT_SMALL_TILES) if block_m <= 32 else (LARGE_TILES + LOW_BIT_LARGE_TILES)
         tiles = sorted(set(tiles) | {(bn, min(bk, LOW_BIT[quant]), w, s) for bn, bk, w, s in tiles})
@@ -90,10 +93,12 @@ def candidates(block_m: int, gated: bool, quant: str = "none",
     else:
         tiles = FP8_SMALL_TILES if block_m <= 32 else FP8_LARGE_TILES
     cap = _k_cap(quant)
+    swap = tma is None and quant != "none" and block_m < 64
     if tma is None:
         tma = (False, True) if block_m >= 64 else (False,)
-    return [GemmConfig(block_m, bn, bk, 8, w, s, tma=t) for t in tma
-            for bn, bk, w, s in tiles if not (gated and bn > 128) and bk <= cap]
+    configs = [GemmConfig(block_m, bn, bk, 8, w, s, tma=t) for t in tma
+               for bn, bk, w, s in tiles if not (gated and bn > 128) and bk <= cap]
+    return configs + [replace(c, swap_ab=True) for c in configs if swap and c.block_n >= 64]
 
 
 def _time_us(fn) -> float:
