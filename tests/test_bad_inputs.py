@@ -119,6 +119,19 @@ def _stage_block_m_mismatch():
     return torch.ops.tmoe.moe_gemm_up(p.x, p.w1, *align, TOPK, 32)
 
 
+def _stage_low_bit(**overrides) -> Callable[[], object]:
+    """moe_gemm_up on int4 codes with zero points (group 32), some keyword arguments replaced: a value,
+    or a function of the problem and the arguments."""
+    def call():
+        p = _p()
+        q1, s1, z1 = tmoe.quantize_weight_int4(p.w1, 32)
+        args = dict(w1=q1, w_scale=s1, w_zp=z1, weight_dtype="int4", group_size=32)
+        args.update({k: (v(p, args) if callable(v) else v) for k, v in overrides.items()})
+        align = torch.ops.tmoe.moe_align_block_size(p.topk_ids, 16, E)
+        return torch.ops.tmoe.moe_gemm_up(p.x, args.pop("w1"), *align, TOPK, 16, **args)
+    return call
+
+
 def _modular(pf, experts, chunk_size=None):
     return lambda: tmoe.FusedMoEModularKernel(pf(), experts(), chunk_size=chunk_size)
 
@@ -266,6 +279,14 @@ ROWS = [
     Row("batched-local-experts-mismatch", _subprocess(_BATCHED_WRONG_EXPERTS), ValueError,
         r"num_local_experts=2\) does not match the 4 experts"),
     Row("stage-block_m-mismatch", _stage_block_m_mismatch, ValueError, "block_m=32"),
+    Row("stage-int4-float-weights", _stage_low_bit(w1=lambda p, a: p.w1), TypeError, "w1 must have dtype in .*uint8"),
+    Row("stage-int4-missing-scale", _stage_low_bit(w_scale=None), ValueError, "int4 experts need w_scale"),
+    Row("stage-int4-a_scale", _stage_low_bit(a_scale=lambda p, a: torch.ones(1, device=DEVICE)), ValueError,
+        "a_scale is an fp8 activation scale; int4 weights keep hidden_states unquantized"),
+    Row("stage-zp-without-scheme", _stage_low_bit(w1=lambda p, a: p.w1, w_scale=None, weight_dtype=None, group_size=0),
+        ValueError, "w_zp is the zero points of int4/int8 weights"),
+    Row("stage-unknown-weight_dtype", _stage_low_bit(weight_dtype="int3"), ValueError,
+        "weight_dtype must be None or one of"),
     Row("align-block-not-pow2", lambda: tmoe.moe_align_block_size(_p().topk_ids, 24, E), ValueError, "block_size"),
     Row("route-topk-too-large", lambda: tmoe.topk_route(torch.randn(3, 4, device=DEVICE), 5), ValueError, "topk"),
     Row("route-group-alone", lambda: tmoe.topk_route(torch.randn(3, 4, device=DEVICE), 2, num_expert_group=2),

@@ -46,6 +46,7 @@ def _cases():
         "modular_forward_no_mul": (torch.ops.tmoe.modular_forward, (*relu2, *noep)),
         "modular_forward_no_mul_batched": (torch.ops.tmoe.modular_forward, (*relu2, *batched)),
         **_low_bit_cases(p, emap),
+        **_low_bit_stage_cases(_problem("uniform"), align, inter),
         "topk_route": (torch.ops.tmoe.topk_route, (torch.randn(9, 4, device=DEVICE), 2)),
     }
 
@@ -81,6 +82,18 @@ def _low_bit_cases(p, emap) -> dict:
                                  (*int4, *spec(tmoe.FusedMoEQuantConfig(weight_dtype="int4", group_size=32)))),
         "modular_forward_mxfp4": (torch.ops.tmoe.modular_forward,
                                   (*mxfp4, *spec(tmoe.FusedMoEQuantConfig(weight_dtype="mxfp4")))),
+    }
+
+
+def _low_bit_stage_cases(p, align, inter) -> dict:
+    """The GEMM stage ops on low-bit codes: int4 with zero points (up), mxfp4 (down)."""
+    q1, s1, z1 = tmoe.quantize_weight_int4(p.w1, 32)
+    q2, s2 = tmoe.quantize_weight_mxfp4(p.w2)
+    return {
+        "moe_gemm_up_int4": (torch.ops.tmoe.moe_gemm_up, (p.x, q1, *align, 2, 16, "silu", None, None, s1, None, None,
+                                                          None, None, False, z1, "int4", 32)),
+        "moe_gemm_down_mxfp4": (torch.ops.tmoe.moe_gemm_down, (inter, q2, *align, 2, 16, p.topk_weights, None, s2,
+                                                               None, None, None, "mxfp4", 32)),
     }
 
 

@@ -71,3 +71,38 @@ def test_reduce_stage(with_weights, dtype):
     scale = w.unsqueeze(-1) if with_weights else 1.0
     ref = torch.where(ok, y.float() * scale, 0.0).sum(1)
     assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("scheme,group,zero_point", [("int4", 32, True), ("int8", 64, False), ("mxfp4", 32, False)])
+def test_low_bit_gemm_stages(scheme, group, zero_point):
+    """moe_gemm_up and moe_gemm_down on low-bit codes (``weight_dtype``, ``group_size``, ``w_zp``),
+    then moe_reduce, against the float32 layer on the dequantized weights; N = 48 and K = 80 are not
+    multiples of the tiles, out-of-range ids contribute zero. Eager and under torch.compile
+    (fullgraph, the fakes' shapes)."""
+    from tmoe.reference import dequantize_int_reference, dequantize_mxfp4_reference, moe_reference
+
+    shape = MoEShape(7, 4, 48, 80, 2)
+    p = make_problem(shape, torch.bfloat16, "out_of_range", seed=3, device=DEVICE)
+    if scheme == "mxfp4":
+        (q1, s1), (q2, s2) = tmoe.quantize_weight_mxfp4(p.w1), tmoe.quantize_weight_mxfp4(p.w2)
+        z1 = z2 = None
+        d1, d2 = dequantize_mxfp4_reference(q1, s1), dequantize_mxfp4_reference(q2, s2)
+    else:
+        quantize = tmoe.quantize_weight_int4 if scheme == "int4" else tmoe.quantize_weight_int8
+        (q1, s1, z1), (q2, s2, z2) = (quantize(w, group, zero_point=zero_point) for w in (p.w1, p.w2))
+        bits = 4 if scheme == "int4" else 8
+        d1, d2 = (dequantize_int_reference(q, s, z, group, bits) for q, s, z in ((q1, s1, z1), (q2, s2, z2)))
+    low_bit = dict(weight_dtype=scheme, group_size=group)
+
+    def layer(x, weights, ids):
+        align = torch.ops.tmoe.moe_align_block_size(ids, BLOCK_M, shape.e)
+        h = torch.ops.tmoe.moe_gemm_up(x, q1, *align, shape.topk, BLOCK_M, w_scale=s1, w_zp=z1, **low_bit)
+        y = torch.ops.tmoe.moe_gemm_down(h, q2, *align, shape.topk, BLOCK_M, w_scale=s2, w_zp=z2, **low_bit)
+        return torch.ops.tmoe.moe_reduce(y.view(shape.m, shape.topk, -1), ids, shape.e, weights)
+
+    ref = moe_reference(p.x, d1, d2, p.topk_weights, p.topk_ids)
+    eager = layer(p.x, p.topk_weights, p.topk_ids)
+    assert_close(eager, ref, torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)(p.x, p.topk_weights, p.topk_ids)
+    assert torch.equal(compiled, eager)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_tensor
+from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_shape, check_tensor
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv
 from tmoe.kernels.interpreter import INTERPRETED
@@ -236,6 +236,35 @@ def check_gemm_operands(a_name: str, a: torch.Tensor, w_name: str, w: torch.Tens
         raise TypeError(f"{a_name} ({a.dtype}) and {w_name} ({w.dtype}) must have the same dtype")
     if a.shape[-1] != w.shape[2]:
         raise ValueError(f"{a_name} has {k_dim}={a.shape[-1]} but {w_name} has {w.shape[2]} in its last dimension")
+
+
+def check_low_bit_operand(name: str, w: torch.Tensor, scale_name: str, scale: torch.Tensor | None, zp_name: str,
+                          zp: torch.Tensor | None, weight_dtype: str, group_size: int, shape: tuple[int, int, int],
+                          device: torch.device, hint: str = "") -> None:
+    """Low-bit weights of logical ``shape`` (E, rows, K_in) (layouts: ``WeightScales``): ``w``
+    uint8 (E, rows, K_in / p) codes, p = 2 for the 4-bit schemes; ``scale`` (E, rows,
+    cdiv(K_in, group_size)), float (e8m0 uint8 for mxfp4); ``zp`` None or uint8 (E, rows / p,
+    groups), int only. ``hint`` ends the shape error (what K_in comes from)."""
+    e, rows, k_in = shape
+    pack = 1 if weight_dtype == "int8" else 2
+    check_tensor(name, w, dtypes=(torch.uint8,), ndim=3, device=device)
+    if tuple(w.shape) != (e, rows, k_in // pack):
+        raise ValueError(f"{name} must be {weight_dtype} codes of shape {(e, rows, k_in // pack)} (packed {pack} per "
+                         f"byte along its last dimension){hint}; got {tuple(w.shape)}")
+    if scale is None:
+        raise ValueError(f"{weight_dtype} experts need {scale_name}")
+    check_tensor(scale_name, scale, dtypes=(torch.uint8,) if weight_dtype == "mxfp4" else FLOAT_DTYPES, ndim=3,
+                 device=device)
+    groups = cdiv(k_in, group_size)
+    check_shape(scale_name, scale, (e, rows, groups))
+    if zp is None:
+        return
+    if weight_dtype == "mxfp4":
+        raise ValueError(f"mxfp4 weights have no zero points; got {zp_name}")
+    if rows % pack:
+        raise ValueError(f"int4 zero points pack two rows per byte: {name} needs an even row count, got {rows}")
+    check_tensor(zp_name, zp, dtypes=(torch.uint8,), ndim=3, device=device)
+    check_shape(zp_name, zp, (e, rows // pack, groups))
 
 
 @dataclass(frozen=True)

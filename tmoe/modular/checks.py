@@ -8,7 +8,8 @@ import math
 import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import ACTIVATIONS, cdiv, w1_rows_per_n
+from tmoe.kernels.common import ACTIVATIONS, w1_rows_per_n
+from tmoe.kernels.gemm_args import check_low_bit_operand
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
@@ -20,7 +21,7 @@ def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[
     (E, 2N, K / p) ((E, N, K / p) for a *_no_mul activation), w2 uint8 (E, K, N / p), p = 2 for the
     4-bit schemes; scales (E, rows, cdiv(K_in, g)), float (e8m0 uint8 for mxfp4); zero points uint8
     (E, rows / p, cdiv(K_in, g)). Returns (E, w1 rows)."""
-    x, wd, g = args.hidden_states, quant.weight_dtype, quant.group_size
+    x, wd = args.hidden_states, quant.weight_dtype
     check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
     k = x.shape[1]
     pack = 1 if wd == "int8" else 2
@@ -37,24 +38,12 @@ def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[
     if pack == 2 and (k % 2 or n % 2):
         raise ValueError(f"{wd} packs two values per byte along K: the hidden size K={k} and the intermediate "
                          f"size N={n} must be even")
-    for name, shape in (("w1", (e, w1_rows, k // pack)), ("w2", (e, k, n // pack))):
-        w = getattr(args, name)
-        if tuple(w.shape) != shape:
-            raise ValueError(f"{name} must be {wd} codes of shape {shape} (packed {pack} per byte along its last "
-                             f"dimension) for hidden_states (M, K={k}); got {tuple(w.shape)}")
     if args.a1_scale is not None or args.a2_scale is not None:
         raise ValueError(f"a1_scale/a2_scale are fp8 activation scales; {wd} weights keep activations unquantized")
-    for name, rows, cols in (("w1", w1_rows, k), ("w2", k, n)):
-        scale, zp = getattr(args, f"{name}_scale"), getattr(args, f"{name}_zp")
-        if scale is None:
-            raise ValueError(f"{wd} experts need {name}_scale")
-        check_tensor(f"{name}_scale", scale, dtypes=(torch.uint8,) if wd == "mxfp4" else FLOAT_DTYPES, ndim=3)
-        check_shape(f"{name}_scale", scale, (e, rows, cdiv(cols, g)))
-        if zp is not None:
-            if wd == "mxfp4":
-                raise ValueError(f"mxfp4 weights have no zero points; got {name}_zp")
-            check_tensor(f"{name}_zp", zp, dtypes=(torch.uint8,), ndim=3)
-            check_shape(f"{name}_zp", zp, (e, rows // pack, cdiv(cols, g)))
+    for name, shape in (("w1", (e, w1_rows, k)), ("w2", (e, k, n))):
+        check_low_bit_operand(name, getattr(args, name), f"{name}_scale", getattr(args, f"{name}_scale"), f"{name}_zp",
+                              getattr(args, f"{name}_zp"), wd, quant.group_size, shape, x.device,
+                              f" for hidden_states (M, K={k})")
     return e, w1_rows
 
 

@@ -11,9 +11,10 @@ from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_te
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
 from tmoe.kernels.common import cdiv, w1_rows_per_n
-from tmoe.kernels.gemm_args import Routing, Scales, check_gemm_operands
+from tmoe.kernels.gemm_args import Routing, Scales, WeightScales, check_gemm_operands, check_low_bit_operand
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.modular.checks import check_activation
+from tmoe.modular.quant_config import FusedMoEQuantConfig
 from tmoe.kernels.quant import (
     FP8_DTYPE,
     alloc_group_scales,
@@ -44,7 +45,18 @@ def _(topk_ids, block_size, num_experts, expert_map=None, num_local_experts=None
     return new(max_padded, dtype=torch.int32), new(num_blocks, dtype=torch.int32), new(1, dtype=torch.int32)
 
 
-def _scales(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, block_shape: list[int] | None) -> Scales | None:
+def _low_bit(weight_dtype: str | None, group_size: int) -> FusedMoEQuantConfig | None:
+    """The weight-only scheme of a stage GEMM (None: fp8 or unquantized weights), validated."""
+    if weight_dtype is None and not group_size:
+        return None
+    return FusedMoEQuantConfig(weight_dtype=weight_dtype, group_size=group_size)
+
+
+def _scales(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, block_shape: list[int] | None,
+            w_zp: torch.Tensor | None = None,
+            low_bit: FusedMoEQuantConfig | None = None) -> Scales | WeightScales | None:
+    if low_bit is not None:
+        return WeightScales(low_bit.weight_dtype, w_scale, w_zp, low_bit.group_size)
     if a_scale is None and w_scale is None:
         return None
     if a_scale is None or w_scale is None:
@@ -66,9 +78,29 @@ def _check_routing(a: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: 
                          f"{cdiv(sorted_token_ids.shape[0], block_m)}: align with block_size=block_m")
 
 
+def _check_operands(a, w, a_name, w_name, k_dim, a_scale, w_scale, w_zp, low_bit) -> None:
+    """``a`` (..., K_in) and ``w`` (E, rows, K_in): float or fp8 (``check_gemm_operands``), or
+    low-bit codes with their scales and zero points (``low_bit``; a stays unquantized)."""
+    if low_bit is None:
+        check_gemm_operands(a_name, a, w_name, w, k_dim)
+        if w_zp is not None:
+            raise ValueError("w_zp is the zero points of int4/int8 weights; pass weight_dtype and group_size")
+        return
+    wd = low_bit.weight_dtype
+    check_tensor(a_name, a, dtypes=FLOAT_DTYPES)
+    if a_scale is not None:
+        raise ValueError(f"a_scale is an fp8 activation scale; {wd} weights keep {a_name} unquantized")
+    if wd != "int8" and a.shape[-1] % 2:
+        raise ValueError(f"{wd} packs two values per byte along {k_dim}: {k_dim}={a.shape[-1]} must be even")
+    shape = (w.shape[0], w.shape[1], a.shape[-1]) if w.dim() == 3 else (0, 0, a.shape[-1])
+    check_low_bit_operand(w_name, w, "w_scale", w_scale, "w_zp", w_zp, wd, low_bit.group_size, shape, a.device,
+                          f" for {a_name} (..., {k_dim}={a.shape[-1]})")
+
+
 def _check_gemm(a, w, routing, block_m, gated, topk_weights, num_slots, a_name, w_name, k_dim, topk,
-                activation="silu", swiglu_alpha=None, swiglu_limit=None, gate_up_interleaved=False) -> None:
-    check_gemm_operands(a_name, a, w_name, w, k_dim)
+                activation="silu", swiglu_alpha=None, swiglu_limit=None, gate_up_interleaved=False, a_scale=None,
+                w_scale=None, w_zp=None, low_bit=None) -> None:
+    _check_operands(a, w, a_name, w_name, k_dim, a_scale, w_scale, w_zp, low_bit)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1 or num_slots % topk:
         raise ValueError(f"topk must be a positive int dividing the {num_slots} slots, got {topk!r}")
     _check_routing(a, *routing, block_m)
@@ -84,19 +116,23 @@ def _check_gemm(a, w, routing, block_m, gated, topk_weights, num_slots, a_name, 
 
 
 def _gemm(a, w, routing, m, topk, a_row_div, block_m, gated, activation, topk_weights, a_scale, w_scale,
-          block_shape, out_dtype, **act_options) -> torch.Tensor:
+          block_shape, out_dtype, w_zp=None, low_bit=None, **act_options) -> torch.Tensor:
     """One expert GEMM with the tiles the layer uses at (M=m, E, N, K, topk)."""
     num_slots = m * topk
     n_out = w.shape[1] // w1_rows_per_n(activation) if gated else w.shape[1]
-    n, k = (n_out, w.shape[2]) if gated else (w.shape[2], w.shape[1])  # the layer's (N, K): w1 (E, 2N, K), w2 (E, K, N)
-    cfg = get_config(m, w.shape[0], n, k, topk, a.device,
-                     quant="fp8_w8a8" if a.dtype in FP8_DTYPES else None, block_shape=block_shape)
+    # the layer's (N, K), from a's width (low-bit weights pack theirs): w1 (E, 2N, K), w2 (E, K, N)
+    n, k = (n_out, a.shape[-1]) if gated else (a.shape[-1], w.shape[1])
+    if low_bit is not None:
+        quant, group_size = low_bit.quant_name, low_bit.group_size
+    else:
+        quant, group_size = ("fp8_w8a8" if a.dtype in FP8_DTYPES else None), None
+    cfg = get_config(m, w.shape[0], n, k, topk, a.device, quant=quant, block_shape=block_shape, group_size=group_size)
     gemm_cfg = replace(cfg.up if gated else cfg.down, block_m=block_m)  # block_m: the align's block size
     out = torch.empty((num_slots, n_out), dtype=out_dtype or a.dtype, device=a.device)
     weights = topk_weights.reshape(-1) if topk_weights is not None else None
     return invoke_moe_gemm(a, w, out, gemm_cfg, gated=gated, activation=activation,
                            routing=Routing(*routing, num_slots, a_row_div), topk_weights=weights,
-                           scales=_scales(a_scale, w_scale, block_shape), **act_options)
+                           scales=_scales(a_scale, w_scale, block_shape, w_zp, low_bit), **act_options)
 
 
 @torch.library.custom_op("tmoe::moe_gemm_up", mutates_args=())
@@ -106,28 +142,32 @@ def moe_gemm_up(
     topk_weights: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None, block_shape: list[int] | None = None,
     out_dtype: torch.dtype | None = None, swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
-    gate_up_interleaved: bool = False,
+    gate_up_interleaved: bool = False, w_zp: torch.Tensor | None = None, weight_dtype: str | None = None,
+    group_size: int = 0,
 ) -> torch.Tensor:
     """(M*topk, N) = act(x @ w1[e, :N].T) * (x @ w1[e, N:].T) per slot (a *_no_mul activation:
     act(x @ w1[e].T), w1 (E, N, K)); ``topk_weights`` given scales the input side
-    (apply_router_weight_on_input); the activation options are ``LayerArgs``'s."""
+    (apply_router_weight_on_input); the activation options are ``LayerArgs``'s. ``weight_dtype``
+    ("int4", "int8", "mxfp4") with ``group_size``: w1 holds low-bit codes, ``w_scale`` (and
+    ``w_zp``) their group scales (zero points), as the layer takes them."""
     routing = (sorted_token_ids, expert_ids, num_tokens_post_padded)
     m = hidden_states.shape[0]
     act = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, gate_up_interleaved=gate_up_interleaved)
+    low_bit = _low_bit(weight_dtype, group_size)
     _check_gemm(hidden_states, w1, routing, block_m, True, topk_weights, m * topk, "hidden_states", "w1", "K",
-                topk, activation, **act)
+                topk, activation, **act, a_scale=a_scale, w_scale=w_scale, w_zp=w_zp, low_bit=low_bit)
     return _gemm(hidden_states, w1, routing, m, topk, topk, block_m, True, activation, topk_weights, a_scale,
-                 w_scale, block_shape, out_dtype, **act)
+                 w_scale, block_shape, out_dtype, w_zp, low_bit, **act)
 
 
 @moe_gemm_up.register_fake
 def _(hidden_states, w1, sorted_token_ids, expert_ids, num_tokens_post_padded, topk, block_m, activation="silu",
       topk_weights=None, a_scale=None, w_scale=None, block_shape=None, out_dtype=None, swiglu_alpha=None,
-      swiglu_limit=None, gate_up_interleaved=False):
+      swiglu_limit=None, gate_up_interleaved=False, w_zp=None, weight_dtype=None, group_size=0):
     m = hidden_states.shape[0]
     _check_gemm(hidden_states, w1, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, True,
                 topk_weights, m * topk, "hidden_states", "w1", "K", topk, activation, swiglu_alpha, swiglu_limit,
-                gate_up_interleaved)
+                gate_up_interleaved, a_scale, w_scale, w_zp, _low_bit(weight_dtype, group_size))
     return hidden_states.new_empty((m * topk, w1.shape[1] // w1_rows_per_n(activation)),
                                    dtype=out_dtype or hidden_states.dtype)
 
@@ -137,22 +177,27 @@ def moe_gemm_down(
     intermediate: torch.Tensor, w2: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_tokens_post_padded: torch.Tensor, topk: int, block_m: int, topk_weights: torch.Tensor | None = None,
     a_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-    block_shape: list[int] | None = None, out_dtype: torch.dtype | None = None,
+    block_shape: list[int] | None = None, out_dtype: torch.dtype | None = None, w_zp: torch.Tensor | None = None,
+    weight_dtype: str | None = None, group_size: int = 0,
 ) -> torch.Tensor:
     """(M*topk, K) = intermediate[slot] @ w2[e].T, times ``topk_weights[slot]`` (float32) if given;
-    ``topk`` picks the layer's tiles (intermediate has M*topk rows)."""
+    ``topk`` picks the layer's tiles (intermediate has M*topk rows). ``weight_dtype``/``group_size``/
+    ``w_zp``: low-bit w2 codes, as in ``moe_gemm_up``."""
     routing = (sorted_token_ids, expert_ids, num_tokens_post_padded)
     num_slots = intermediate.shape[0]
-    _check_gemm(intermediate, w2, routing, block_m, False, topk_weights, num_slots, "intermediate", "w2", "N", topk)
+    low_bit = _low_bit(weight_dtype, group_size)
+    _check_gemm(intermediate, w2, routing, block_m, False, topk_weights, num_slots, "intermediate", "w2", "N", topk,
+                a_scale=a_scale, w_scale=w_scale, w_zp=w_zp, low_bit=low_bit)
     return _gemm(intermediate, w2, routing, num_slots // topk, topk, 1, block_m, False, "silu", topk_weights,
-                 a_scale, w_scale, block_shape, out_dtype)
+                 a_scale, w_scale, block_shape, out_dtype, w_zp, low_bit)
 
 
 @moe_gemm_down.register_fake
 def _(intermediate, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk, block_m, topk_weights=None,
-      a_scale=None, w_scale=None, block_shape=None, out_dtype=None):
+      a_scale=None, w_scale=None, block_shape=None, out_dtype=None, w_zp=None, weight_dtype=None, group_size=0):
     _check_gemm(intermediate, w2, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, False,
-                topk_weights, intermediate.shape[0], "intermediate", "w2", "N", topk)
+                topk_weights, intermediate.shape[0], "intermediate", "w2", "N", topk, a_scale=a_scale,
+                w_scale=w_scale, w_zp=w_zp, low_bit=_low_bit(weight_dtype, group_size))
     return intermediate.new_empty((intermediate.shape[0], w2.shape[1]), dtype=out_dtype or intermediate.dtype)
 
 
