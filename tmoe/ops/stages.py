@@ -94,7 +94,8 @@ def _check_operands(a, w, a_name, w_name, k_dim, a_scale, w_scale, w_zp, low_bit
         raise ValueError(f"{wd} packs two values per byte along {k_dim}: {k_dim}={a.shape[-1]} must be even")
     check_tensor(w_name, w, dtypes=(torch.uint8,), ndim=3, device=a.device)
     check_low_bit_operand(w_name, w, "w_scale", w_scale, "w_zp", w_zp, wd, low_bit.group_size,
-                          (w.shape[0], w.shape[1], a.shape[-1]), a.device, f" for {a_name} (..., {k_dim}={a.shape[-1]})")
+                          (w.shape[0], w.shape[1], a.shape[-1]), a.device,
+                          f" for {a_name} (..., {k_dim}={a.shape[-1]})")
 
 
 def _check_gemm(a, w, routing, block_m, gated, topk_weights, num_slots, a_name, w_name, k_dim, topk,
