@@ -33,8 +33,11 @@ SCRIPT = textwrap.dedent("""
     compiled = []
     swapped = []  # (QUANT, ptx) of the swap_ab GEMMs
 
+    cubins = {}  # the first cubin of each kernel
+
     def record(name, kwargs, kernel):
         compiled.append((name, kernel.asm["ptx"], kernel.metadata.launch_pdl))
+        cubins.setdefault(name, kernel.asm["cubin"])
         if kwargs.get("SWAP_AB"):
             swapped.append((kwargs["QUANT"], kernel.asm["ptx"]))
 
@@ -87,6 +90,8 @@ SCRIPT = textwrap.dedent("""
     align.SORT_MAX_SLOTS = 4096  # the sorting align program (off by default)
     tmoe.moe_align_block_size(torch.randint(0, 128, (256, 8), dtype=torch.int32), 16, 128)
     align.SORT_MAX_SLOTS = 0
+    from tmoe.testing.sm90 import sass
+    print(re.search(r"REG:\\d+", sass(cubins["_moe_gemm_kernel"])).group(0))  # the disassembler runs
     print(" ".join(sorted({name for name, _, _ in compiled})))
     print(sum("cp.async.bulk.tensor" in ptx for _, ptx, _ in compiled), sum("wgmma" in ptx for _, ptx, _ in compiled))
     # swap_ab GEMMs: wgmma (M = block_n) and no mma.sync; low-bit ones take the weights from registers
@@ -173,7 +178,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    names, counts, swap, unpacked, pdl_names, mismatched, not_late, not_first = proc.stdout.strip().splitlines()[-8:]
+    regs, names, counts, swap, unpacked, pdl_names, mismatched, not_late, not_first = \
+        proc.stdout.strip().splitlines()[-9:]
+    assert int(regs.removeprefix("REG:")) > 0, f"tmoe.testing.sm90.sass: {regs}"
     assert names.split() == sorted(KERNELS)
     tma_loads, wgmma = map(int, counts.split())
     assert tma_loads > 0 and wgmma > 0, "the TMA and wgmma paths must be compiled too"

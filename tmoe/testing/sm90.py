@@ -1,6 +1,7 @@
 """Compile Triton kernels for Hopper (sm_90) without a GPU, to read what the compiler makes of them
-(PTX, TTGIR, cubin): a stand-in CUDA driver reports an sm_90 device, and every JIT launch only
-compiles (``warmup``), so nothing runs. For tests and probes; once per process, before any launch."""
+(PTX, TTGIR, cubin; ``sass`` disassembles a cubin): a stand-in CUDA driver reports an sm_90 device,
+and every JIT launch only compiles (``warmup``), so nothing runs. For tests and probes; once per
+process, before any launch."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -33,3 +34,20 @@ def compile_only_sm90(on_compile: Callable[[str, dict, Any], None]) -> None:
         return kernel
 
     JITFunction.run = compile_only
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS and resource usage (registers: ``REG:n``) of a compiled kernel's cubin, from the
+    cuobjdump that Triton's NVIDIA backend ships (no CUDA toolkit needed)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(cuobjdump), "--dump-resource-usage", "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout

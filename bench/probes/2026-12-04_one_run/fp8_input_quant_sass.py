@@ -4,14 +4,10 @@ decode tile and a swap_ab one. bf16 A compiles only with the prototype patch rec
 bench/results/2026-12-04_fp8_fused_input_quant_sm90.log applied (each K step quantizing its A tile).
 usage: TRITON_INTERPRET=0 PYTHONPATH=. python fp8_input_quant_sass.py"""
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
-import triton
 
-from tmoe.testing.sm90 import compile_only_sm90
+from tmoe.testing.sm90 import compile_only_sm90, sass
 
 seen = []
 compile_only_sm90(lambda name, kwargs, kernel: seen.append((name, kwargs, kernel)))
@@ -21,15 +17,6 @@ from tmoe.kernels.gemm_args import DirectRouting, Scales  # noqa: E402
 from tmoe.kernels.moe_gemm import invoke_moe_gemm  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-
-
-def sass(cubin: bytes) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", "-sass", f.name], capture_output=True,
-                              text=True).stdout
 
 
 e, n, k, topk, m = 8, 768, 2048, 8, 1

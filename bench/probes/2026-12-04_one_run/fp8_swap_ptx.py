@@ -3,14 +3,11 @@ slots route) with the shipped decode tile (16 x 128 x 128, 4 warps) and with a s
 (16 x 64 x 128), and count what the K loop is made of: mma.sync vs wgmma, fp8 -> fp16
 conversions, registers (ptxas, from the cubin). usage: TRITON_INTERPRET=0 PYTHONPATH=. python fp8_swap_ptx.py"""
 import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 import triton
 
-from tmoe.testing.sm90 import compile_only_sm90
+from tmoe.testing.sm90 import compile_only_sm90, sass
 
 seen = []
 compile_only_sm90(lambda name, kwargs, kernel: seen.append((name, kwargs, kernel)))
@@ -19,15 +16,10 @@ import tmoe  # noqa: E402
 from tmoe.testing.strategies import MoEShape, make_problem  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 def registers(cubin: bytes) -> str:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return re.search(r"REG:\d+", out).group(0)
+    return re.search(r"REG:\d+", sass(cubin)).group(0)
 
 
 p = make_problem(MoEShape(1, 8, 768, 2048, 8), torch.bfloat16, "uniform", seed=0)  # 8 experts stand in for 128

@@ -38,5 +38,6 @@ for scheme, fp8 in SCHEMES.items():
                     continue
                 ptx = kernel.asm["ptx"]
                 waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
-                print(f"{scheme:9} {'tma' if tma else 'ptr'} {bm}x{bn} {warps} warps {'up  ' if kwargs['GATED'] else 'down'}:"
+                gemm = "up  " if kwargs["GATED"] else "down"
+                print(f"{scheme:9} {'tma' if tma else 'ptr'} {bm}x{bn} {warps} warps {gemm}:"
                       f" wgmma {ptx.count('wgmma.mma_async')}, wait_group depths in order {waits}")
