@@ -299,7 +299,8 @@ def test_fp8_stage_calls_chain_to_the_layer(mode):
 
 def test_readme_tables_from_one_runs_rows(tmp_path):
     """``python -m tmoe tables``: the rows of one commit and dtype pivoted to shapes x M, peers and
-    stages beside tmoe; other commits' rows and absent cells stay out."""
+    stages beside tmoe, then the cells below the goals with their stages; other commits' rows and
+    absent cells stay out."""
     from tmoe.tools import tables
 
     env, other = results.Env("d", "gpu", "t", "tr", "abc1234"), results.Env("d", "gpu", "t", "tr", "old0000")
@@ -313,6 +314,10 @@ def test_readme_tables_from_one_runs_rows(tmp_path):
     assert "| small | 0.50 / 0.25 | 0.80 / n/a |" in text  # floor 5 over 10 µs; the peer's eager 20 µs
     assert "| small | 10.0 / 12.0 / 20.0 | 250 / 260 / n/a |" in text
     assert "| small up | 4.0 (0.50) | — |" in text
+    assert "- small M=1: 0.50 < 0.85, 10.0 µs; up 4.0 (0.50)\n" in text  # below the goals, with the stages
+    assert "- small M=8: 0.80 < 0.95, 250 µs\n" in text
+    assert tables.goal("bf16", 1024) == 0.80 and tables.goal("fp8_block", 4096) == 0.65
+    assert tables.goal("int4", 1) is None
     assert tables.main([str(csv_path), "--commit", "nope"]) == 1
     with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
         tables.main([str(tmp_path / "missing.csv"), "--commit", "abc1234"])

@@ -1,7 +1,7 @@
 """``python -m tmoe tables <bench_moe.csv> --commit C [--dtype D]``: the README's benchmark tables
 (shapes x M) from one benchmark run's CSV rows: fraction of the floor (tmoe / peer), times (tmoe
 graph / tmoe eager / peer eager) and, where the run timed them, the stages (graph µs and fraction of
-each stage's own floor)."""
+each stage's own floor); then the cells below the layer's goals (``GOALS``), each with its stages."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +11,11 @@ from typing import Sequence
 
 PEERS = {"bf16": "grouped_mm", "fp8_block": "scaled_grouped_mm", "fp8_token": "scaled_grouped_mm"}
 SHAPE_ORDER = ("mixtral", "qwen3", "deepseek")
+STAGE_ORDER = ("quant", "align", "up", "quant_inter", "down", "reduce")
+# the whole layer's fraction-of-floor goals (#14): (largest M, goal) in order of M
+GOALS = {"bf16": ((1, 0.85), (256, 0.95), (1 << 62, 0.80)),
+         "fp8_block": ((1, 0.85), (256, 0.95), (1 << 62, 0.65)),
+         "fp8_token": ((1, 0.85), (256, 0.95), (1 << 62, 0.65))}
 
 
 def load_rows(path: Path, commit: str, dtype: str) -> dict[tuple[str, int, str], dict[str, str]]:
@@ -63,7 +68,7 @@ def tables(rows: dict, dtype: str) -> str:
     out = [f"fraction of the floor, tmoe / {peer}:\n\n", _grid(shapes, ms, fraction),
            f"\nµs, tmoe graph / tmoe eager / {peer} eager:\n\n", _grid(shapes, ms, times)]
     stages = sorted({p.split(".", 1)[1] for _, _, p in rows if p.startswith("tmoe.")},
-                    key=lambda st: ("quant", "align", "up", "quant_inter", "down", "reduce", st).index(st))
+                    key=lambda st: (STAGE_ORDER + (st,)).index(st))
     if stages:
         def stage_cell(label, m):
             r = get(label[0], m, f"tmoe.{label[1]}")
@@ -72,7 +77,37 @@ def tables(rows: dict, dtype: str) -> str:
 
         out += ["\nstages alone, graph µs (GEMMs: and the fraction of their own floor):\n\n",
                 _grid([(s, st) for s in shapes for st in stages], ms, stage_cell)]
+    missed = misses(rows, dtype, stages)
+    if missed:
+        out += ["\ncells below the goal (fraction < goal), each with its stages alone (graph µs, GEMMs with the "
+                "fraction of their own floor):\n\n", *missed]
     return "".join(out)
+
+
+def goal(dtype: str, m: int) -> float | None:
+    """The layer's fraction-of-floor goal at ``m`` tokens (None: no goal for ``dtype``)."""
+    return next((g for top, g in GOALS[dtype] if m <= top), None) if dtype in GOALS else None
+
+
+def misses(rows: dict, dtype: str, stages: Sequence[str]) -> list[str]:
+    """One Markdown list line per cell whose tmoe fraction is below ``goal``, with its stages."""
+    shapes, ms = _shapes_and_ms(rows)
+    lines = []
+    for s in shapes:
+        for m in ms:
+            frac, want = _num(rows.get((s, m, "tmoe")), "fraction"), goal(dtype, m)
+            if frac is None or want is None or float(frac) >= want:
+                continue
+            parts = []
+            for st in stages:
+                r = rows.get((s, m, f"tmoe.{st}"))
+                t = _num(r, "graph_us")
+                if t:
+                    parts.append(f"{st} {t} ({_num(r, 'fraction')})" if st in ("up", "down") else f"{st} {t}")
+            layer = _num(rows[(s, m, "tmoe")], "graph_us")
+            lines.append(f"- {s} M={m}: {frac} < {want:.2f}, {layer} µs" + (f"; {', '.join(parts)}" if parts else "")
+                         + "\n")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
