@@ -155,15 +155,26 @@ def shared_memory_budget(device: torch.device) -> int:
     return _device_budget(_index(device))
 
 
+def weight_bytes(scales: Scales | WeightScales | None, w: torch.Tensor) -> float:
+    """Bytes a weight value takes in a staged B tile: half a byte for packed 4-bit codes (int4,
+    mxfp4), else ``w``'s element size (int8 codes, fp8, float)."""
+    if isinstance(scales, WeightScales) and scales.weight_dtype != "int8":
+        return 0.5
+    return w.element_size()
+
+
 def fit_shared_memory(
-    config: GemmConfig, elem_size: int, gated: bool, budget: int = SHARED_MEMORY_BUDGET
+    config: GemmConfig, elem_size: int, gated: bool, budget: int = SHARED_MEMORY_BUDGET,
+    weight_size: float | None = None,
 ) -> GemmConfig:
-    """Fewer pipeline stages, then a smaller block_k, until the staged A and B tiles fit in
+    """Fewer pipeline stages, then a smaller block_k, until the staged A tiles (``elem_size``
+    bytes a value) and B tiles (``weight_size``, default ``elem_size``: see ``weight_bytes``) fit in
     ``budget`` bytes (block_m and block_n stay: the align stage and the epilogue depend on them)."""
     tile_n = config.block_n * (2 if gated else 1)
+    w_size = elem_size if weight_size is None else weight_size
 
-    def need(stages: int, block_k: int) -> int:
-        return stages * block_k * (config.block_m + tile_n) * elem_size
+    def need(stages: int, block_k: int) -> float:
+        return stages * block_k * (config.block_m * elem_size + tile_n * w_size)
 
     stages, block_k = config.num_stages, config.block_k
     while need(stages, block_k) > budget and stages > 2:

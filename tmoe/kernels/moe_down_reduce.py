@@ -16,7 +16,7 @@ from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
 from tmoe.kernels.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
 from tmoe.kernels.gemm_args import (
-    Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
+    Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget, weight_bytes,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
@@ -154,7 +154,8 @@ def moe_down_reduce(
     n_out, k = w.shape[1], a.shape[1]
     if m == 0 or n_out == 0:
         return out
-    config = fit_shared_memory(config, a.element_size(), gated=False, budget=shared_memory_budget(a.device))
+    config = fit_shared_memory(config, a.element_size(), gated=False, budget=shared_memory_budget(a.device),
+                               weight_size=weight_bytes(scales, w))
     config = fit_low_bit(config, scales)
     sargs = scale_args(scales, a, w, config, config.block_n)
     sargs.pop("stride_ase")

@@ -26,7 +26,7 @@ from tmoe.kernels.common import (
     w1_rows_per_n,
 )
 from tmoe.kernels.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
-from tmoe.kernels.gemm_args import WeightScales, fit_shared_memory, scale_args, shared_memory_budget
+from tmoe.kernels.gemm_args import WeightScales, fit_shared_memory, scale_args, shared_memory_budget, weight_bytes
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
@@ -241,10 +241,11 @@ def moe_fused_decode(
     if m == 0 or n == 0 or k == 0:
         return partial
     budget = shared_memory_budget(x.device)
-    config = fit_shared_memory(config, x.element_size(), mul, budget)  # the up loop's tiles
+    config = fit_shared_memory(config, x.element_size(), mul, budget, weight_bytes(w1_scales, w1))  # the up loop's tiles
     bn, bk = config.block_n, config.block_k
     bkd = min(DOWN_STEP, max(16, next_power_of_2(k)))
-    while (config.num_stages - 1) * bkd * bn * x.element_size() > budget and bkd > 32:  # the down loop's tiles in flight
+    w2_size = weight_bytes(w2_scales, w2)
+    while (config.num_stages - 1) * bkd * bn * w2_size > budget and bkd > 32:  # the down loop's tiles in flight
         bkd //= 2
     act_alpha, act_limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
     unused = w1

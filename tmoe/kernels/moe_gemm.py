@@ -26,7 +26,7 @@ from tmoe.kernels.dequant import b_rows, zero_point_rows
 from tmoe.kernels.gemm_epilogue import moe_epilogue
 from tmoe.kernels.gemm_args import (
     DirectRouting, Routing, Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
-    persistent_epilogue_bytes, persistent_programs, uniform_w_scale, weight_descriptor,
+    persistent_epilogue_bytes, persistent_programs, uniform_w_scale, weight_bytes, weight_descriptor,
 )
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import launch
@@ -236,7 +236,8 @@ def invoke_moe_gemm(
     if num_pid_m == 0 or n == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), mul,
-                               shared_memory_budget(a.device) - persistent_epilogue_bytes(config, out.element_size()))
+                               shared_memory_budget(a.device) - persistent_epilogue_bytes(config, out.element_size()),
+                               weight_bytes(scales, w))
     config = fit_low_bit(config, scales)
     if out_scale is not None:
         group_out = fused_quant_group(n, out_scale.shape[-1], config, gated)
