@@ -125,10 +125,10 @@ def _stage_low_bit(**overrides) -> Callable[[], object]:
     def call():
         p = _p()
         q1, s1, z1 = tmoe.quantize_weight_int4(p.w1, 32)
-        args = dict(w1=q1, w_scale=s1, w_zp=z1, weight_dtype="int4", group_size=32)
+        args = dict(x=p.x, w1=q1, w_scale=s1, w_zp=z1, weight_dtype="int4", group_size=32)
         args.update({k: (v(p, args) if callable(v) else v) for k, v in overrides.items()})
         align = torch.ops.tmoe.moe_align_block_size(p.topk_ids, 16, E)
-        return torch.ops.tmoe.moe_gemm_up(p.x, args.pop("w1"), *align, TOPK, 16, **args)
+        return torch.ops.tmoe.moe_gemm_up(args.pop("x"), args.pop("w1"), *align, TOPK, 16, **args)
     return call
 
 
@@ -280,6 +280,8 @@ ROWS = [
         r"num_local_experts=2\) does not match the 4 experts"),
     Row("stage-block_m-mismatch", _stage_block_m_mismatch, ValueError, "block_m=32"),
     Row("stage-int4-float-weights", _stage_low_bit(w1=lambda p, a: p.w1), TypeError, "w1 must have dtype in .*uint8"),
+    Row("stage-int4-odd-k", _stage_low_bit(x=lambda p, a: p.x[:, : K - 1]), ValueError,
+        r"int4 packs 2 values per byte along w1's last dimension for hidden_states \(\.\.\., K=63\): K_in=63 must be"),
     Row("stage-int4-missing-scale", _stage_low_bit(w_scale=None), ValueError, "int4 experts need w_scale"),
     Row("stage-int4-a_scale", _stage_low_bit(a_scale=lambda p, a: torch.ones(1, device=DEVICE)), ValueError,
         "a_scale is an fp8 activation scale; int4 weights keep hidden_states unquantized"),

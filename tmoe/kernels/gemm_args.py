@@ -155,11 +155,16 @@ def shared_memory_budget(device: torch.device) -> int:
     return _device_budget(_index(device))
 
 
+def codes_per_byte(weight_dtype: str) -> int:
+    """Low-bit weight values per byte along K: 2 for the 4-bit schemes (int4, mxfp4), 1 for int8."""
+    return 1 if weight_dtype == "int8" else 2
+
+
 def weight_bytes(scales: Scales | WeightScales | None, w: torch.Tensor) -> float:
-    """Bytes a weight value takes in a staged B tile: half a byte for packed 4-bit codes (int4,
-    mxfp4), else ``w``'s element size (int8 codes, fp8, float)."""
-    if isinstance(scales, WeightScales) and scales.weight_dtype != "int8":
-        return 0.5
+    """Bytes a weight value takes in a staged B tile: low-bit codes their packed share of a byte,
+    else ``w``'s element size (fp8, float)."""
+    if isinstance(scales, WeightScales):
+        return 1 / codes_per_byte(scales.weight_dtype)
     return w.element_size()
 
 
@@ -257,7 +262,10 @@ def check_low_bit_operand(name: str, w: torch.Tensor, scale_name: str, scale: to
     cdiv(K_in, group_size)), float (e8m0 uint8 for mxfp4); ``zp`` None or uint8 (E, rows / p,
     groups), int only. ``hint`` ends the shape error (what K_in comes from)."""
     e, rows, k_in = shape
-    pack = 1 if weight_dtype == "int8" else 2
+    pack = codes_per_byte(weight_dtype)
+    if k_in % pack:
+        raise ValueError(f"{weight_dtype} packs {pack} values per byte along {name}'s last dimension{hint}: "
+                         f"K_in={k_in} must be a multiple of {pack}")
     check_tensor(name, w, dtypes=(torch.uint8,), ndim=3, device=device)
     if tuple(w.shape) != (e, rows, k_in // pack):
         raise ValueError(f"{name} must be {weight_dtype} codes of shape {(e, rows, k_in // pack)} (packed {pack} per "

@@ -9,7 +9,7 @@ import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
 from tmoe.kernels.common import ACTIVATIONS, w1_rows_per_n
-from tmoe.kernels.gemm_args import check_low_bit_operand
+from tmoe.kernels.gemm_args import check_low_bit_operand, codes_per_byte
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
@@ -24,7 +24,7 @@ def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[
     x, wd = args.hidden_states, quant.weight_dtype
     check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
     k = x.shape[1]
-    pack = 1 if wd == "int8" else 2
+    pack = codes_per_byte(wd)
     for name in ("w1", "w2"):
         check_tensor(name, getattr(args, name), dtypes=(torch.uint8,), ndim=3, device=x.device)
     per_n = w1_rows_per_n(args.activation)

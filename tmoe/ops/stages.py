@@ -90,8 +90,6 @@ def _check_operands(a, w, a_name, w_name, k_dim, a_scale, w_scale, w_zp, low_bit
     check_tensor(a_name, a, dtypes=FLOAT_DTYPES)
     if a_scale is not None:
         raise ValueError(f"a_scale is an fp8 activation scale; {wd} weights keep {a_name} unquantized")
-    if wd != "int8" and a.shape[-1] % 2:
-        raise ValueError(f"{wd} packs two values per byte along {k_dim}: {k_dim}={a.shape[-1]} must be even")
     check_tensor(w_name, w, dtypes=(torch.uint8,), ndim=3, device=a.device)
     check_low_bit_operand(w_name, w, "w_scale", w_scale, "w_zp", w_zp, wd, low_bit.group_size,
                           (w.shape[0], w.shape[1], a.shape[-1]), a.device,

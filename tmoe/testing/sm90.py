@@ -4,7 +4,12 @@ and every JIT launch only compiles (``warmup``), so nothing runs. For tests and 
 process, before any launch."""
 from __future__ import annotations
 
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any, Callable
+
+import triton
 
 
 def compile_only_sm90(on_compile: Callable[[str, dict, Any], None]) -> None:
@@ -39,12 +44,6 @@ def compile_only_sm90(on_compile: Callable[[str, dict, Any], None]) -> None:
 def sass(cubin: bytes) -> str:
     """The SASS and resource usage (registers: ``REG:n``) of a compiled kernel's cubin, from the
     cuobjdump that Triton's NVIDIA backend ships (no CUDA toolkit needed)."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import triton
-
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
