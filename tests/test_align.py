@@ -57,12 +57,14 @@ def check_align(ids: torch.Tensor, block: int, e: int, expert_map=None) -> None:
 
 @pytest.fixture(params=["chunks", "sort"])
 def align_path(request, monkeypatch):
-    """Past one chunk: the three launches (default), or the one sorting program with the three
-    launches' first kernel removed, so a case that still took them would fail."""
+    """Past one chunk: the three launches, or the one sorting program with the three launches'
+    first kernel removed, so a case that still took them would fail."""
     from tmoe.kernels import align
     from tmoe.kernels.launch import clear_launch_caches
 
-    if request.param == "sort":
+    if request.param == "chunks":
+        monkeypatch.setattr(align, "SORT_MAX_SLOTS", 0)
+    else:
         monkeypatch.setattr(align, "SORT_MAX_SLOTS", 4096)
         monkeypatch.setattr(align, "_align_count_kernel", None)
     clear_launch_caches()

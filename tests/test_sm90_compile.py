@@ -87,9 +87,9 @@ SCRIPT = textwrap.dedent("""
                     e_score_correction_bias=torch.zeros(16))
     tmoe.moe_align_block_size(torch.randint(0, 8, (3000, 2), dtype=torch.int32), 16, 8)
     from tmoe.kernels import align
-    align.SORT_MAX_SLOTS = 4096  # the sorting align program (off by default)
+    sort_max, align.SORT_MAX_SLOTS = align.SORT_MAX_SLOTS, 4096  # the sorting align program at 2048 slots
     tmoe.moe_align_block_size(torch.randint(0, 128, (256, 8), dtype=torch.int32), 16, 128)
-    align.SORT_MAX_SLOTS = 0
+    align.SORT_MAX_SLOTS = sort_max
     from tmoe.testing.sm90 import sass
     print(re.search(r"REG:\\d+", sass(cubins["_moe_gemm_kernel"])).group(0))  # the disassembler runs
     print(" ".join(sorted({name for name, _, _ in compiled})))
@@ -145,9 +145,9 @@ SCRIPT = textwrap.dedent("""
         tmoe.per_token_quant_fp8(p.x)
         tmoe.static_quant_fp8(p.x, torch.ones(1))
         tmoe.moe_align_block_size(torch.randint(0, 8, (3000, 2), dtype=torch.int32), 16, 8)
-        align.SORT_MAX_SLOTS = 4096
+        sort_max, align.SORT_MAX_SLOTS = align.SORT_MAX_SLOTS, 4096
         tmoe.moe_align_block_size(torch.randint(0, 128, (256, 8), dtype=torch.int32), 16, 128)
-        align.SORT_MAX_SLOTS = 0
+        align.SORT_MAX_SLOTS = sort_max
     pdl = [(name, "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, launch_pdl)
            for name, ptx, launch_pdl in compiled]
     print(" ".join(sorted({name for name, waits, launch_pdl in pdl if waits and launch_pdl})))
