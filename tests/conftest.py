@@ -66,6 +66,27 @@ def _forced_route(name: str):
         yield name
 
 
+@pytest.fixture
+def shipped_swap_tiles():
+    """``(pattern) -> [MoEConfig]``: the distinct up and down swap_ab tile shapes of the shipped
+    tables whose file names match ``pattern``, paired in order (warps and stages, which the
+    interpreter ignores, set to one value)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from tmoe.config import MoEConfig, read_table
+    from tmoe.config.tables import SHIPPED_CONFIGS
+
+    def tiles(pattern: str) -> list[MoEConfig]:
+        rows = [row for path in Path(SHIPPED_CONFIGS).glob(pattern) for row in read_table(path).values()]
+        ups, downs = ({replace(c, num_warps=4, num_stages=2) for c in cfgs if c.swap_ab}
+                      for cfgs in ([r.up for r in rows], [r.down for r in rows]))
+        ups, downs = sorted(ups, key=str), sorted(downs, key=str)
+        return [MoEConfig(ups[i % len(ups)], downs[i % len(downs)]) for i in range(max(len(ups), len(downs)))]
+
+    return tiles
+
+
 @pytest.fixture(params=["sorted", "direct", "slots", "fused"])
 def route(request):
     """Run the test under each Standard-format path: aligned, decode (no align, the down GEMM

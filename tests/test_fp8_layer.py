@@ -212,3 +212,19 @@ def test_fp8_swap_ab(scheme, layout):
     with override_config(cfg), override_route("sorted" if layout == "batched" else layout):
         out, ref = run_scheme(p, scheme, kernel)
     assert_close(out, ref, "fp8")
+
+
+@pytest.mark.parametrize("scheme,pattern", [(SCHEMES[3], "*fp8_w8a8,block_shape*"),
+                                            (SCHEMES[2], "*dtype=fp8_w8a8.json")], ids=["block", "token"])
+def test_shipped_fp8_swap_tiles(scheme, pattern, shipped_swap_tiles):
+    """Every swap_ab tile shape the shipped fp8 tables name (block_m 16/32, block_n 64/128, block_k
+    128/256) matches the reference on the sorted route."""
+    from tmoe.config import override_config, override_route
+
+    configs = shipped_swap_tiles(pattern)
+    assert configs, "the shipped fp8 tables name swap_ab tiles"
+    p = make_problem(MoEShape(13, 4, 256, 512, 2), torch.bfloat16, "skewed", seed=21, device=DEVICE)
+    for cfg in configs:
+        with override_config(cfg), override_route("sorted"):
+            out, ref = run_scheme(p, scheme)
+        assert_close(out, ref, "fp8", name=str(cfg))

@@ -166,6 +166,19 @@ def test_low_bit_swap_ab(case, groups_per_step, layout):
     assert_close(out, ref, case.dtype)
 
 
+@pytest.mark.parametrize("zero_point", [True, False], ids=["zp", "nozp"])
+def test_shipped_int8_swap_tiles(zero_point, shipped_swap_tiles):
+    """Every swap_ab tile shape the shipped int8 tables name (block_m 32/64, block_k 64/128, group
+    128) matches the reference on the sorted route."""
+    configs = shipped_swap_tiles("*int8_w8a16*")
+    assert configs, "the shipped int8 tables name swap_ab tiles"
+    case = Case("int8", 128, zero_point, MoEShape(40, 4, 128, 256, 2), torch.bfloat16, "skewed")
+    for cfg in configs:
+        with tmoe.override_config(cfg), tmoe.override_route("sorted"):
+            out, ref = run_case(case)
+        assert_close(out, ref, case.dtype, name=str(cfg))
+
+
 @pytest.mark.parametrize("scheme", ["int4", "int8", "mxfp4"])
 def test_low_bit_expert_map(scheme, route):
     """Global E=8, the even experts local: remote and out-of-range slots contribute exactly zero."""
