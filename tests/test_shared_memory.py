@@ -106,6 +106,23 @@ def test_shipped_low_bit_rows_run_as_written():
                     assert fit_shared_memory(cfg, 2, gated, SHARED_MEMORY_BUDGET, w_size) == cfg, (path.name, m, cfg)
 
 
+
+def test_shipped_fp8_rows_run_as_written():
+    """Every row of the shipped fp8 tables (fp8 activations and weights, one byte a value) fits the
+    H200's budget as written, so the tuner timed the tiles a row names."""
+    from pathlib import Path
+
+    from tmoe.config import read_table
+    from tmoe.config.tables import SHIPPED_CONFIGS
+
+    paths = sorted(Path(SHIPPED_CONFIGS).glob("*fp8_w8a8*.json"))
+    assert len(paths) == 6
+    for path in paths:
+        for m, row in read_table(path).items():
+            for cfg, gated in ((row.up, True), (row.down, False), (row.direct_down, False)):
+                if cfg is not None:
+                    assert fit_shared_memory(cfg, 1, gated, SHARED_MEMORY_BUDGET, 1) == cfg, (path.name, m, cfg)
+
 def test_budget_off_a_gpu_is_fixed():
     assert shared_memory_budget(torch.device("cpu")) == SHARED_MEMORY_BUDGET == 200 * 1024
 
