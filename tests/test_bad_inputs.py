@@ -218,6 +218,10 @@ ROWS = [
         r"w1 must be int4 codes of shape \(4, 128, 32\)"),
     Row("int4-w2-unpacked", _low_bit("int4", w2=lambda p, a: a["w2"].repeat(1, 1, 2)), ValueError,
         r"w2 must be int4 codes of shape \(4, 64, 32\)"),
+    Row("int4-odd-n", _low_bit("int4", w1=lambda p, a: a["w1"][:, :126], w1_scale=lambda p, a: a["w1_scale"][:, :126],
+                               w1_zp=lambda p, a: a["w1_zp"][:, :63]), ValueError,
+        r"int4 packs 2 values per byte along w2's last dimension for the intermediate size N=63 \(w1's 126 rows\): "
+        r"K_in=63 must be a multiple of 2"),
     Row("int4-no_mul-w1-gated-shape", _low_bit("int4", activation="relu2_no_mul"), ValueError,
         r"w1 must be \(E, N, K / 2\) for activation 'relu2_no_mul': w2 \(E, K, N / 2=32\) needs 64 rows of w1, got 128"),
     Row("int4-float-weights", _low_bit("int4", w1=lambda p, a: p.w1), TypeError, "w1 must have dtype in .*uint8"),

@@ -35,15 +35,13 @@ def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[
     if per_n == 1 and args.w2.shape[2] * pack * 2 == w1_rows:  # gate and up rows for a non-gated activation
         raise ValueError(f"w1 must be (E, N, K / {pack}) for activation {args.activation!r}: w2 (E, K, "
                          f"N / {pack}={args.w2.shape[2]}) needs {w1_rows // 2} rows of w1, got {w1_rows}")
-    if pack == 2 and (k % 2 or n % 2):
-        raise ValueError(f"{wd} packs two values per byte along K: the hidden size K={k} and the intermediate "
-                         f"size N={n} must be even")
     if args.a1_scale is not None or args.a2_scale is not None:
         raise ValueError(f"a1_scale/a2_scale are fp8 activation scales; {wd} weights keep activations unquantized")
-    for name, shape in (("w1", (e, w1_rows, k)), ("w2", (e, k, n))):
+    # the operand check owns the packing rule (K_in a multiple of the codes per byte): K for w1, N for w2
+    for name, shape, hint in (("w1", (e, w1_rows, k), f" for hidden_states (M, K={k})"),
+                              ("w2", (e, k, n), f" for the intermediate size N={n} (w1's {w1_rows} rows)")):
         check_low_bit_operand(name, getattr(args, name), f"{name}_scale", getattr(args, f"{name}_scale"), f"{name}_zp",
-                              getattr(args, f"{name}_zp"), wd, quant.group_size, shape, x.device,
-                              f" for hidden_states (M, K={k})")
+                              getattr(args, f"{name}_zp"), wd, quant.group_size, shape, x.device, hint)
     return e, w1_rows
 
 
