@@ -88,40 +88,29 @@ def test_fit_counts_packed_weight_bytes():
     assert fit_shared_memory(cfg, 2, True, SHARED_MEMORY_BUDGET).num_stages == 2
 
 
-def test_shipped_low_bit_rows_run_as_written():
-    """Every row of the shipped low-bit tables fits the H200's budget with bf16 activations as
-    written, so a row states the stages and block_k its kernels run (and were timed) with."""
+@pytest.mark.parametrize("pattern,files,elem_size,weight_size", [
+    ("*w*a16.json", 9, 2, lambda name: 1 if "int8" in name else 0.5),  # low-bit codes, bf16 activations
+    ("*fp8_w8a8*.json", 6, 1, lambda name: 1),  # fp8 activations and weights
+], ids=["low_bit", "fp8"])
+def test_shipped_rows_run_as_written(pattern, files, elem_size, weight_size):
+    """Every row of the shipped low-bit and fp8 tables fits the H200's budget as written (the
+    staged tiles at their bytes a value), so a row states the stages and block_k its kernels run
+    (and were timed) with."""
     from pathlib import Path
 
     from tmoe.config import read_table
     from tmoe.config.tables import SHIPPED_CONFIGS
 
-    paths = sorted(Path(SHIPPED_CONFIGS).glob("*w*a16.json"))
-    assert len(paths) == 9
+    paths = sorted(Path(SHIPPED_CONFIGS).glob(pattern))
+    assert len(paths) == files
     for path in paths:
-        w_size = 1 if "int8" in path.name else 0.5
+        w_size = weight_size(path.name)
         for m, row in read_table(path).items():
             for cfg, gated in ((row.up, True), (row.down, False), (row.direct_down, False)):
                 if cfg is not None:
-                    assert fit_shared_memory(cfg, 2, gated, SHARED_MEMORY_BUDGET, w_size) == cfg, (path.name, m, cfg)
+                    assert fit_shared_memory(cfg, elem_size, gated, SHARED_MEMORY_BUDGET, w_size) == cfg, \
+                        (path.name, m, cfg)
 
-
-
-def test_shipped_fp8_rows_run_as_written():
-    """Every row of the shipped fp8 tables (fp8 activations and weights, one byte a value) fits the
-    H200's budget as written, so the tuner timed the tiles a row names."""
-    from pathlib import Path
-
-    from tmoe.config import read_table
-    from tmoe.config.tables import SHIPPED_CONFIGS
-
-    paths = sorted(Path(SHIPPED_CONFIGS).glob("*fp8_w8a8*.json"))
-    assert len(paths) == 6
-    for path in paths:
-        for m, row in read_table(path).items():
-            for cfg, gated in ((row.up, True), (row.down, False), (row.direct_down, False)):
-                if cfg is not None:
-                    assert fit_shared_memory(cfg, 1, gated, SHARED_MEMORY_BUDGET, 1) == cfg, (path.name, m, cfg)
 
 def test_budget_off_a_gpu_is_fixed():
     assert shared_memory_budget(torch.device("cpu")) == SHARED_MEMORY_BUDGET == 200 * 1024
