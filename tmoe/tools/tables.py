@@ -70,18 +70,20 @@ def tables(rows: dict, dtype: str) -> str:
     stages = sorted({p.split(".", 1)[1] for _, _, p in rows if p.startswith("tmoe.")},
                     key=lambda st: (FP8_STAGES + (st,)).index(st))
     if stages:
-        def stage_cell(label, m):
-            r = get(label[0], m, f"tmoe.{label[1]}")
-            t = _num(r, "graph_us")
-            return t and (f"{t} ({_num(r, 'fraction')})" if label[1] in ("up", "down") else t)
-
         out += ["\nstages alone, graph µs (GEMMs: and the fraction of their own floor):\n\n",
-                _grid([(s, st) for s in shapes for st in stages], ms, stage_cell)]
+                _grid([(s, st) for s in shapes for st in stages], ms,
+                      lambda label, m: _stage_time(get(label[0], m, f"tmoe.{label[1]}"), label[1]))]
     missed = misses(rows, dtype, stages)
     if missed:
         out += ["\ncells below the goal (fraction < goal), each with its stages alone (graph µs, GEMMs with the "
                 "fraction of their own floor):\n\n", *missed]
     return "".join(out)
+
+
+def _stage_time(row: dict | None, stage: str) -> str | None:
+    """A stage's graph µs, the GEMMs' with the fraction of their own floor: "191 (0.99)"."""
+    t = _num(row, "graph_us")
+    return t and (f"{t} ({_num(row, 'fraction')})" if stage in ("up", "down") else t)
 
 
 def goal(dtype: str, m: int) -> float | None:
@@ -98,12 +100,7 @@ def misses(rows: dict, dtype: str, stages: Sequence[str]) -> list[str]:
             frac, want = _num(rows.get((s, m, "tmoe")), "fraction"), goal(dtype, m)
             if frac is None or want is None or float(frac) >= want:
                 continue
-            parts = []
-            for st in stages:
-                r = rows.get((s, m, f"tmoe.{st}"))
-                t = _num(r, "graph_us")
-                if t:
-                    parts.append(f"{st} {t} ({_num(r, 'fraction')})" if st in ("up", "down") else f"{st} {t}")
+            parts = [f"{st} {t}" for st in stages if (t := _stage_time(rows.get((s, m, f"tmoe.{st}")), st))]
             layer = _num(rows[(s, m, "tmoe")], "graph_us")
             lines.append(f"- {s} M={m}: {frac} < {want:.2f}, {layer} µs" + (f"; {', '.join(parts)}" if parts else "")
                          + "\n")
