@@ -1,60 +1,27 @@
 """Compile (sm_90, no GPU) the fp8 block layer's two GEMMs with the Mixtral-8x7B M=1024 tiles of the
 shipped table (block_m 64, TMA weights) in the tree on PYTHONPATH and print each kernel's registers,
 shared memory and a hash of its SASS, so two trees can be compared (did the kernels change, or only
-the run?). Self-contained: older trees have no tmoe.testing.sm90.
+the run?).
 
     TRITON_INTERPRET=0 PYTHONPATH=TREE python bench/probes/2026-12-05_fp8/same_sass.py
 """
 import hashlib
+import importlib.util
 import re
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.driver import CudaDriver
-from triton.runtime.driver import driver
-from triton.runtime.jit import JITFunction
 
 import tmoe
 from tmoe.tools.peers import quantize_fp8
 
+# this repo's tmoe/testing/sm90.py, loaded by path (it needs only triton): the tree on PYTHONPATH may
+# predate it
+_spec = importlib.util.spec_from_file_location("sm90", Path(__file__).resolve().parents[3] / "tmoe/testing/sm90.py")
+sm90 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sm90)
 seen = []
-
-
-class Sm90(CudaDriver):
-    def __init__(self):
-        self.get_current_device = lambda: 0
-        self.get_current_stream = lambda device=None: 0
-        self.get_device_capability = lambda device=None: (9, 0)
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-driver.set_active(Sm90())
-_run = JITFunction.run
-
-
-def _compile_only(self, *args, grid, warmup, **kwargs):
-    kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
-    seen.append((self.fn.__name__, kernel))
-    return kernel
-
-
-JITFunction.run = _compile_only
-
-
-def sass(cubin: bytes) -> str:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(tool), "--dump-resource-usage", "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-
+sm90.compile_only_sm90(lambda name, kwargs, kernel: seen.append((name, kernel)))
 
 e, n, k, m = 8, 512, 1024, 64
 x = torch.randn(m, k, dtype=torch.bfloat16)
@@ -69,7 +36,7 @@ with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(up, down
 for name, kernel in seen:
     if name != "_moe_gemm_kernel":
         continue
-    text = sass(kernel.asm["cubin"])
+    text = sm90.sass(kernel.asm["cubin"])
     body = "\n".join(re.sub(r"/\*[0-9a-f]{4,}\*/", "", line) for line in text.splitlines() if "/*" in line)
     print(name, re.search(r"REG:\d+", text).group(0), "smem", kernel.metadata.shared,
           "sass lines", body.count("\n") + 1, "sha1", hashlib.sha1(body.encode()).hexdigest()[:12])
