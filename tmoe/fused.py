@@ -9,7 +9,8 @@ import torch
 
 from tmoe.modular import KernelSpec, NoEPPrepareAndFinalize, TritonExperts, build
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap
+from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, needs_grad
+from tmoe.ops.autograd import check_layer_inputs_trainable
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 _NO_QUANT = FusedMoEQuantConfig()
@@ -35,10 +36,10 @@ def _default_spec(quant_config: FusedMoEQuantConfig) -> KernelSpec:
 def takes_op_path(args: LayerArgs) -> bool:
     """Whether the call must go through the custom op: under torch.compile (the op is what gets
     traced), on the meta device (the op's fake computes the shapes), or when autograd would
-    record it (the op's formula says the layer is inference-only)."""
+    record it (the op's autograd formula runs the backward)."""
     if torch.compiler.is_compiling() or args.hidden_states.is_meta:
         return True
-    return torch.is_grad_enabled() and any(t.requires_grad for t in args[:5])
+    return needs_grad(args)
 
 
 def run_layer(args: LayerArgs, spec: KernelSpec, inplace: bool) -> torch.Tensor:
@@ -56,6 +57,8 @@ def run_layer_op(args: LayerArgs, spec_args: tuple, inplace: bool) -> torch.Tens
         check_no_grad_inplace(args.hidden_states)
         torch.ops.tmoe.modular_forward_(*args, *spec_args)
         return args.hidden_states
+    if needs_grad(args):  # before any launch: the composition and weights must have a backward
+        check_layer_inputs_trainable((*args, *spec_args))
     return torch.ops.tmoe.modular_forward(*args, *spec_args)
 
 

@@ -166,8 +166,33 @@ def check_static_scales(args: LayerArgs) -> None:
 def check_no_grad_inplace(hidden_states: torch.Tensor) -> None:
     """In-place on a tensor that requires grad breaks autograd (torch's in-place ops refuse it)."""
     if hidden_states.requires_grad:
-        raise RuntimeError("inplace=True on hidden_states that requires grad: tmoe's layer is inference-only and "
-                           "an in-place write would break autograd; pass inplace=False or run under torch.no_grad()")
+        raise RuntimeError("inplace=True on hidden_states that requires grad: the in-place layer has no backward "
+                           "(its input is overwritten); pass inplace=False to train, or run under torch.no_grad()")
+
+
+TRAINABLE_PARTS = ("noep", "triton")  # the PrepareAndFinalize and experts kinds with a backward
+DIFFERENTIABLE = ("hidden_states", "w1", "w2", "topk_weights", "w1_bias", "w2_bias")
+
+
+def needs_grad(args: LayerArgs) -> bool:
+    """Autograd would record this call: grad mode is on and a differentiable input requires grad."""
+    return torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (getattr(args, name) for name in DIFFERENTIABLE))
+
+
+def check_trainable(args: LayerArgs, prepare_finalize: str, experts: str, quant_dtype: str | None,
+                    weight_dtype: str | None) -> None:
+    """A call that needs gradients runs a layer with a backward: the single-device Standard
+    composition (``NoEPPrepareAndFinalize`` + ``TritonExperts``) on float weights. Raises before
+    any launch, naming what has no backward."""
+    if (prepare_finalize, experts) != TRAINABLE_PARTS:
+        raise NotImplementedError(
+            f"the {prepare_finalize!r} PrepareAndFinalize with {experts!r} experts has no backward; gradients need "
+            "NoEPPrepareAndFinalize + TritonExperts (tmoe.fused_experts' default), or run under torch.no_grad()")
+    scheme = quant_dtype or weight_dtype
+    if scheme is not None:
+        raise NotImplementedError(f"gradients through {scheme} expert weights are not supported (quant_config "
+                                  f"{scheme!r}); train with float weights, or run under torch.no_grad()")
 
 
 def check_no_overlap(hidden_states: torch.Tensor) -> None:

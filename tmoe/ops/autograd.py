@@ -1,8 +1,19 @@
-"""tmoe's ops are inference-only: an autograd formula that says so, instead of torch's generic
-"no autograd formula" error at backward time."""
+"""Autograd formulas of the ops: the layer op's and the router's backward (through the backward
+ops of ``tmoe.ops.backward``, so AOTAutograd traces them), and a clear error for the stage ops,
+which stay inference-only."""
 from __future__ import annotations
 
+import torch
 from torch._library.custom_ops import CustomOpDef
+
+from tmoe.modular.call import LayerArgs
+from tmoe.modular.checks import check_trainable
+from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_*)
+
+_NUM_LAYER_ARGS = len(LayerArgs._fields)
+_INDEX = {name: i for i, name in enumerate(LayerArgs._fields)}
+# KernelSpec's arguments after the layer's: prepare_finalize kind, its args, group, experts kind, its args, quant...
+_PF, _EXPERTS, _QUANT_DTYPE, _WEIGHT_DTYPE = 0, 3, 5, 9
 
 
 def inference_only(op: CustomOpDef) -> None:
@@ -10,7 +21,96 @@ def inference_only(op: CustomOpDef) -> None:
     name = op._qualname
 
     def backward(ctx, *grads):
-        raise RuntimeError(f"{name} is inference-only: tmoe has no backward pass (no training support yet); "
-                           "run it under torch.no_grad() / torch.inference_mode() or detach its inputs")
+        raise RuntimeError(f"{name} is a stage op without a backward; train through the layer "
+                           "(tmoe.fused_experts, FusedMoEModularKernel, FusedMoE), or detach its inputs")
 
     op.register_autograd(backward)
+
+
+def check_layer_inputs_trainable(inputs: tuple) -> None:
+    """The layer op's arguments (``LayerArgs`` then ``KernelSpec``'s) describe a layer with a backward."""
+    spec = inputs[_NUM_LAYER_ARGS:]
+    check_trainable(LayerArgs(*inputs[:_NUM_LAYER_ARGS]), spec[_PF], spec[_EXPERTS], spec[_QUANT_DTYPE],
+                    spec[_WEIGHT_DTYPE])
+
+
+def _layer_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    check_layer_inputs_trainable(inputs)
+    call = LayerArgs(*inputs[:_NUM_LAYER_ARGS])
+    ctx.num_inputs = len(inputs)
+    ctx.options = (call.activation, call.swiglu_alpha, call.swiglu_limit, call.gate_up_interleaved,
+                   call.apply_router_weight_on_input, call.global_num_experts)
+    ctx.save_for_backward(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, call.expert_map,
+                          call.w1_bias, call.w2_bias)
+
+
+def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
+    """dx, dw1, dw2, dtopk_weights, db1, db2 of the layer: recompute the pre-activation from x,
+    the intermediate's gradient with the activation's derivative fused, then the input and weight
+    GEMMs. Weight gradients run only for weights that require grad (frozen experts skip them)."""
+    x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias = ctx.saved_tensors
+    activation, alpha, limit, interleaved, on_input, global_num_experts = ctx.options
+    needs = ctx.needs_input_grad
+    e_local = w1.shape[0]
+    num_experts = global_num_experts if global_num_experts > 0 else e_local
+    num_local = e_local if expert_map is not None else None
+    tmoe = torch.ops.tmoe
+    topk_weights = topk_weights.contiguous()
+    sorted_ids, expert_ids, num_post_padded, offsets = tmoe.moe_grad_align(topk_ids.contiguous(), num_experts,
+                                                                           expert_map, num_local)
+    grad_h, inter, partial = tmoe.moe_grad_act(grad_out, x, w1, w2, topk_weights, sorted_ids, expert_ids,
+                                               num_post_padded, w1_bias, w2_bias, activation, alpha, limit,
+                                               interleaved, on_input)
+    grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
+    if needs[_INDEX["hidden_states"]] or needs[_INDEX["topk_weights"]]:
+        grad_x, grad_w = tmoe.moe_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_ids, expert_ids,
+                                             num_post_padded, num_experts, expert_map, num_local, on_input)
+        grads[_INDEX["hidden_states"]], grads[_INDEX["topk_weights"]] = grad_x, grad_w
+    # dW1[e] = sum dh^T x (x times the router weight when the forward scaled the input)
+    _weight_grads(grads, needs, "w1", "w1_bias", w1_bias is not None, grad_h, x, topk_weights, sorted_ids, offsets,
+                  e_local, False, on_input, expert_map)
+    # dW2[e] = sum (w go)^T a (go alone when the forward scaled the input)
+    _weight_grads(grads, needs, "w2", "w2_bias", w2_bias is not None, grad_out, inter, topk_weights, sorted_ids,
+                  offsets, e_local, True, not on_input, expert_map)
+    return tuple(grads)
+
+
+def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: bool, left: torch.Tensor,
+                  right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor, offsets: torch.Tensor,
+                  e_local: int, tokens_left: bool, scale_tokens: bool, expert_map: torch.Tensor | None) -> None:
+    """Fill the gradients of ``weight`` and its ``bias`` (if they require grad) with one K-grouped GEMM."""
+    with_bias = has_bias and needs[_INDEX[bias]]
+    if not (needs[_INDEX[weight]] or with_bias):
+        return
+    out = torch.ops.tmoe.moe_grad_weight(left, right, topk_weights, sorted_ids, offsets, e_local, tokens_left,
+                                         scale_tokens, with_bias, expert_map)
+    if needs[_INDEX[weight]]:
+        grads[_INDEX[weight]] = out[0]
+    if with_bias:
+        grads[_INDEX[bias]] = out[1]
+
+
+def register_layer_autograd(op: CustomOpDef) -> None:
+    """The layer op's backward (``LayerArgs`` differentiable in hidden_states, w1, w2,
+    topk_weights, w1_bias, w2_bias)."""
+    op.register_autograd(_layer_backward, setup_context=_layer_setup)
+
+
+def _router_setup(ctx, inputs: tuple, output: tuple) -> None:
+    router_logits, _, scoring, renormalize, _, _, _, routed_scaling_factor = inputs
+    ctx.options = (scoring, renormalize, routed_scaling_factor)
+    ctx.save_for_backward(router_logits, output[1])
+
+
+def _router_backward(ctx, grad_weights: torch.Tensor, grad_ids: torch.Tensor | None) -> tuple:
+    router_logits, topk_ids = ctx.saved_tensors
+    scoring, renormalize, scaling = ctx.options
+    grad = torch.ops.tmoe.topk_route_grad(grad_weights.contiguous(), router_logits, topk_ids, scoring, renormalize,
+                                          scaling)
+    return grad, None, None, None, None, None, None, None
+
+
+def register_router_autograd(op: CustomOpDef) -> None:
+    """The router's backward: router_logits' gradient from the weights' (the ids and the
+    correction bias take none)."""
+    op.register_autograd(_router_backward, setup_context=_router_setup)

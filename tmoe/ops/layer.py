@@ -13,7 +13,7 @@ import torch
 from tmoe.modular.call import LayerArgs, layer_schema
 from tmoe.modular.checks import check_layer_call, check_no_overlap
 from tmoe.modular.kernel import SPEC_SCHEMA, KernelSpec, build
-from tmoe.ops.autograd import inference_only
+from tmoe.ops.autograd import register_layer_autograd
 
 _NUM_LAYER_ARGS = len(LayerArgs._fields)
 
@@ -52,4 +52,4 @@ def _(*args):
     check_layer_call(call, spec.quant)
 
 
-inference_only(modular_forward)
+register_layer_autograd(modular_forward)

@@ -24,7 +24,7 @@ from tmoe.kernels.quant import (
 )
 from tmoe.kernels.reduce import moe_reduce as _reduce
 from tmoe.kernels.router import topk_route as _topk_route
-from tmoe.ops.autograd import inference_only
+from tmoe.ops.autograd import inference_only, register_router_autograd
 
 
 @torch.library.custom_op("tmoe::moe_align_block_size", mutates_args=())
@@ -301,6 +301,7 @@ def _(x, scale):
     return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
 
 
-for _op in (moe_gemm_up, moe_gemm_down, moe_reduce, topk_route, per_token_group_quant_fp8, per_token_quant_fp8,
+for _op in (moe_gemm_up, moe_gemm_down, moe_reduce, per_token_group_quant_fp8, per_token_quant_fp8,
             static_quant_fp8):
     inference_only(_op)
+register_router_autograd(topk_route)

@@ -1,0 +1,248 @@
+"""Backward of the expert MLP up to the intermediate, one fused M-grouped GEMM per row block.
+
+For slot s (token t, local expert e, router weight w) with the output gradient go = dL/dout[t]:
+    g   = go @ w2[e]                      (N)   the gradient of the intermediate before w
+    h   = x[t] @ w1[e].T (* w) + b1[e]    (2N)  the pre-activation, recomputed (never saved)
+    a   = act(h)                          (N)   the intermediate, for dW2
+    dh  = (w * g) * act'(h)               (2N)  (apply_router_weight_on_input: g * act'(h))
+    dw  = <g, a> + <go, b2[e]>                  the router weight's gradient (on input: <dh, x[t] @ w1[e].T>)
+Each program owns BLOCK_M aligned rows (one expert) and BLOCK_N intermediate columns: one K loop
+feeds the three dots (go @ w2 tile, x @ gate rows, x @ up rows), the epilogue applies the
+activation's derivative. ``dh`` and ``a`` are written in aligned-row order (the order the dX and
+dW GEMMs read them; padding rows are zeros), ``dw`` as one float32 partial per (row, column
+block), summed in a fixed order by ``moe_grad_input``. No atomics: deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tmoe.kernels.common import _sigmoid, activation_params, cdiv, w1_rows_per_n
+from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
+
+GRAD_BLOCK_M = 64  # the backward's align block size (rows of one expert per program)
+ACT_BLOCK_N, ACT_BLOCK_K = 64, 64
+
+
+@triton.jit
+def _silu_grad(x):
+    """(silu(x), silu'(x)) in float32."""
+    s = _sigmoid(x)
+    return x * s, s * (1.0 + x * (1.0 - s))
+
+
+@triton.jit
+def _gelu_grad(x, TANH: tl.constexpr):
+    """(gelu(x), gelu'(x)) in float32 (TANH: the tanh approximation)."""
+    if TANH:
+        t = 2.0 * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)) - 1.0  # tanh(sqrt(2/pi) (x + ...))
+        dt = 0.7978845608028654 * (1.0 + 0.134145 * x * x)  # d/dx of the tanh's argument
+        return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dt
+    cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
+    return x * cdf, cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def act_and_mul_grad(gate, up, alpha, limit, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr):
+    """(a, da/dgate, da/dup) of ``common.act_and_mul``; [BM, BN] float32 tiles. Clamps pass the
+    gradient where the input lies inside the closed range, as torch.clamp does."""
+    if ACTIVATION == "swigluoai":
+        in_g = gate <= limit
+        in_u = (up >= -limit) & (up <= limit)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        s = _sigmoid(alpha * gate)
+        glu = gate * s
+        d_gate = tl.where(in_g, (s + glu * alpha * (1.0 - s)) * (up + 1.0), 0.0)
+        return glu * (up + 1.0), d_gate, tl.where(in_u, glu, 0.0)
+    if ACTIVATION == "silu":
+        f, df = _silu_grad(gate)
+    else:
+        f, df = _gelu_grad(gate, ACTIVATION == "gelu_tanh")
+    if CLAMP:  # silu with a limit: min(silu(gate), limit) * clamp(up, -limit, limit)
+        df = tl.where(f <= limit, df, 0.0)
+        f = tl.minimum(f, limit)
+        d_up = tl.where((up >= -limit) & (up <= limit), f, 0.0)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    else:
+        d_up = f
+    return f * up, df * up, d_up
+
+
+@triton.jit
+def act_no_mul_grad(h, ACTIVATION: tl.constexpr):
+    """(act(h), act'(h)) of ``common.act_no_mul``; [BM, BN] float32 tile."""
+    if ACTIVATION == "silu_no_mul":
+        f, df = _silu_grad(h)
+    elif ACTIVATION == "gelu_no_mul":
+        f, df = _gelu_grad(h, False)
+    else:  # relu2_no_mul
+        r = tl.maximum(h, 0.0)
+        f, df = r * r, 2.0 * r
+    return f, df
+
+
+@triton.jit(do_not_specialize=['num_slots'])
+def _moe_grad_act_kernel(
+    grad_out_ptr,  # [M, K] dL/dout
+    x_ptr,  # [M, K]
+    w1_ptr,  # [E, W1_ROWS, K] (gate rows, up rows; INTERLEAVED: alternating)
+    w2_ptr,  # [E, K, N]
+    b1_ptr,  # [E, W1_ROWS] (HAS_B1)
+    b2_ptr,  # [E, K] (HAS_B2)
+    topk_weights_ptr,  # [num_slots] float32
+    sorted_ids_ptr,  # [P] int32 aligned slot ids, padding >= num_slots
+    expert_ids_ptr,  # [P // BLOCK_M] int32, -1 remote
+    num_post_padded_ptr,  # [1] int32
+    grad_h_ptr,  # [P, W1_ROWS] out, aligned rows, w1's row order
+    inter_ptr,  # [P, N] out, aligned rows
+    partial_ptr,  # [P, NUM_PID_N] float32 out
+    num_slots, N, K, alpha, limit,
+    stride_gm, stride_gk, stride_xm, stride_xk, stride_w1e, stride_w1r, stride_w1k, stride_w2e, stride_w2k,
+    stride_w2n, stride_b1e, stride_b2e, stride_hm, stride_im, stride_pm,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACTIVATION: tl.constexpr, MUL: tl.constexpr, CLAMP: tl.constexpr, INTERLEAVED: tl.constexpr,
+    ON_INPUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] aligned rows
+    slots = tl.load(sorted_ids_ptr + rows).to(tl.int64)
+    mask_m = slots < num_slots
+    tokens = tl.where(mask_m, slots // TOPK, 0)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    mask_n = offs_n < N
+    if MUL:
+        gate_rows = offs_n * (1 + INTERLEAVED)  # [BN]
+        up_rows = gate_rows + (1 if INTERLEAVED else N)
+    else:
+        gate_rows = offs_n
+        up_rows = offs_n
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    h_ptrs = grad_h_ptr + rows[:, None] * stride_hm  # [BM, 1]
+    i_ptrs = inter_ptr + rows[:, None] * stride_im + offs_n[None, :]  # [BM, BN]
+    p_ptrs = partial_ptr + rows * stride_pm + pid_n  # [BM]
+    if expert < 0:  # remote: no gradient flows through these slots
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=grad_h_ptr.dtype.element_ty)
+        tl.store(h_ptrs + gate_rows[None, :], zeros, mask=mask_n[None, :])
+        if MUL:
+            tl.store(h_ptrs + up_rows[None, :], zeros, mask=mask_n[None, :])
+        tl.store(i_ptrs, zeros.to(inter_ptr.dtype.element_ty), mask=mask_n[None, :])
+        tl.store(p_ptrs, tl.zeros((BLOCK_M,), dtype=tl.float32))
+        return
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_b2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    w1_base = w1_ptr + expert * stride_w1e
+    w2_base = w2_ptr + expert * stride_w2e + offs_n[None, :] * stride_w2n  # [1, BN]
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        mask_k = offs_k < K
+        mask_a = mask_m[:, None] & mask_k[None, :]
+        mask_b = mask_k[:, None] & mask_n[None, :]
+        go = tl.load(grad_out_ptr + tokens[:, None] * stride_gm + offs_k[None, :] * stride_gk, mask=mask_a,
+                     other=0.0)  # [BM, BK]
+        xt = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_a,
+                     other=0.0)  # [BM, BK]
+        w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
+        w1g = tl.load(w1_base + gate_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
+                      other=0.0)  # [BK, BN]
+        acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
+        acc_gate = tl.dot(xt, w1g, acc_gate, input_precision=PRECISION)
+        if MUL:
+            w1u = tl.load(w1_base + up_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
+                          other=0.0)  # [BK, BN]
+            acc_up = tl.dot(xt, w1u, acc_up, input_precision=PRECISION)
+        if HAS_B2:
+            b2 = tl.load(b2_ptr + expert * stride_b2e + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
+            acc_b2 += tl.sum(go.to(tl.float32) * b2[None, :], axis=1)
+    w = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM] float32
+    hg, hu = acc_gate, acc_up
+    if ON_INPUT:  # the forward scales the input: h = w * (x @ w1.T) + b1
+        hg = hg * w[:, None]
+        hu = hu * w[:, None]
+    if HAS_B1:
+        hg += tl.load(b1_ptr + expert * stride_b1e + gate_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if MUL:
+            hu += tl.load(b1_ptr + expert * stride_b1e + up_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if MUL:
+        a, d_gate, d_up = act_and_mul_grad(hg, hu, alpha, limit, ACTIVATION, CLAMP)
+    else:
+        a, d_gate = act_no_mul_grad(hg, ACTIVATION)
+        d_up = d_gate  # unused
+    a = tl.where(mask_out, a, 0.0).to(inter_ptr.dtype.element_ty)  # rounded as the forward writes it
+    tl.store(i_ptrs, a, mask=mask_n[None, :])
+    da = acc_g if ON_INPUT else acc_g * w[:, None]
+    dh_gate = tl.where(mask_out, da * d_gate, 0.0)
+    tl.store(h_ptrs + gate_rows[None, :], dh_gate.to(grad_h_ptr.dtype.element_ty), mask=mask_n[None, :])
+    if MUL:
+        dh_up = tl.where(mask_out, da * d_up, 0.0)
+        tl.store(h_ptrs + up_rows[None, :], dh_up.to(grad_h_ptr.dtype.element_ty), mask=mask_n[None, :])
+    if ON_INPUT:  # dL/dw = <dh, x @ w1.T>
+        part = tl.sum(dh_gate * acc_gate, axis=1)
+        if MUL:
+            part += tl.sum(dh_up * acc_up, axis=1)
+    else:  # dL/dw = <go, w2 @ a + b2> = <g, a> + <go, b2>
+        part = tl.sum(acc_g * a.to(tl.float32), axis=1)
+        if HAS_B2:
+            part += tl.where(pid_n == 0, acc_b2, 0.0)
+    tl.store(p_ptrs, tl.where(mask_m, part, 0.0))
+
+
+def grad_act_blocks(n: int) -> int:
+    """Column blocks of the ``partial`` output (one float32 per aligned row and block)."""
+    return cdiv(n, ACT_BLOCK_N)
+
+
+@with_interpreter_fixes
+def moe_grad_act(
+    grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor, *,
+    activation: str = "silu", swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
+    gate_up_interleaved: bool = False, apply_router_weight_on_input: bool = False,
+    w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The intermediate's gradient, the intermediate and the router weights' partial gradients.
+
+    Args:
+        grad_out: (M, K) gradient of the layer output, x's dtype; x: (M, K) float16/bfloat16/float32.
+        w1: (E, 2N, K) (E, N, K for a *_no_mul activation); w2: (E, K, N); x's dtype, any strides.
+        topk_weights: (M, topk) float32, contiguous.
+        sorted_ids, expert_ids, num_post_padded: ``moe_align_block_size(topk_ids, GRAD_BLOCK_M, ...)``.
+        activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
+        w1_bias (E, 2N), w2_bias (E, K): the forward's (``tmoe.modular.LayerArgs``).
+
+    Returns:
+        grad_h (P, 2N) in aligned-row order and w1's row order, x's dtype (rows of padding and
+        remote experts zero); inter (P, N) the recomputed intermediate act(h), x's dtype;
+        partial (P, cdiv(N, ACT_BLOCK_N)) float32, dL/dw of each aligned row per column block
+        (P = sorted_ids.numel(); rows at or past num_post_padded are not written).
+    """
+    num_slots = topk_weights.numel()
+    per_n = w1_rows_per_n(activation)
+    n, k, p = w2.shape[2], x.shape[1], sorted_ids.shape[0]
+    alpha, limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
+    grad_h = torch.empty((p, per_n * n), dtype=x.dtype, device=x.device)
+    inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
+    num_pid_n = grad_act_blocks(n)
+    partial = torch.empty((p, num_pid_n), dtype=torch.float32, device=x.device)
+    if p == 0:
+        return grad_h, inter, partial
+    b1 = w1_bias if w1_bias is not None else topk_weights
+    b2 = w2_bias if w2_bias is not None else topk_weights
+    launch(_moe_grad_act_kernel, (cdiv(p, GRAD_BLOCK_M), num_pid_n),
+           grad_out, x, w1, w2, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, grad_h, inter, partial,
+           num_slots, n, k, alpha, limit,
+           grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
+           b1.stride(0), b2.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
+           TOPK=topk, BLOCK_M=GRAD_BLOCK_M, BLOCK_N=ACT_BLOCK_N, BLOCK_K=ACT_BLOCK_K, ACTIVATION=activation,
+           MUL=per_n == 2, CLAMP=clamp, INTERLEAVED=gate_up_interleaved, ON_INPUT=apply_router_weight_on_input,
+           HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
+           PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)
+    return grad_h, inter, partial

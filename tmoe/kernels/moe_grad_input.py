@@ -1,0 +1,109 @@
+"""Backward of the expert MLP to its input, and the router weights' gradients.
+
+Per aligned row block of expert e (one program per BLOCK_M rows and BLOCK_N columns of K):
+    dx_s = dh_s @ w1[e]        (K)   an M-grouped GEMM with w1 read as stored (no transposed copy)
+written per slot, then summed over each token's top-k slots in a fixed order by the reduce stage
+(``tmoe.kernels.reduce.moe_reduce``; apply_router_weight_on_input multiplies by the router weight
+there). The programs of the first column block also sum each row's partial router-weight
+gradients (``moe_grad_act``) in a fixed order. No atomics: deterministic.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tmoe.kernels.common import cdiv
+from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
+from tmoe.kernels.moe_grad_act import GRAD_BLOCK_M
+from tmoe.kernels.reduce import moe_reduce
+
+INPUT_BLOCK_N, INPUT_BLOCK_R, PARTS_BLOCK = 128, 64, 16
+
+
+@triton.jit(do_not_specialize=['num_slots'])
+def _moe_grad_input_kernel(
+    grad_h_ptr,  # [P, W1_ROWS] aligned rows
+    w1_ptr,  # [E, W1_ROWS, K]
+    partial_ptr,  # [P, num_parts] float32
+    sorted_ids_ptr,  # [P] int32
+    expert_ids_ptr,  # [P // BLOCK_M] int32, -1 remote
+    num_post_padded_ptr,  # [1] int32
+    grad_slots_ptr,  # [num_slots, K] out
+    grad_weights_ptr,  # [num_slots] float32 out (zero-filled by the launcher)
+    num_slots, W1_ROWS, K, num_parts,
+    stride_hm, stride_w1e, stride_w1r, stride_w1k, stride_sm, stride_pm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    slots = tl.load(sorted_ids_ptr + rows).to(tl.int64)
+    mask_m = slots < num_slots
+    if pid_n == 0:  # the router weights' gradient: the row's partials, in column-block order
+        acc_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for c0 in range(0, num_parts, PARTS_BLOCK):
+            offs_c = c0 + tl.arange(0, PARTS_BLOCK)
+            part = tl.load(partial_ptr + rows[:, None] * stride_pm + offs_c[None, :],
+                           mask=offs_c[None, :] < num_parts, other=0.0)  # [BM, PB]
+            acc_w += tl.sum(part, axis=1)
+        tl.store(grad_weights_ptr + slots, acc_w, mask=mask_m)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:  # remote: the reduce never reads these slots
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of K
+    mask_n = offs_n < K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_base = w1_ptr + expert * stride_w1e + offs_n[None, :] * stride_w1k  # [1, BN]
+    for r0 in range(0, W1_ROWS, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+        mask_r = offs_r < W1_ROWS
+        dh = tl.load(grad_h_ptr + rows[:, None] * stride_hm + offs_r[None, :], mask=mask_r[None, :],
+                     other=0.0)  # [BM, BR]
+        w = tl.load(w_base + offs_r[:, None] * stride_w1r, mask=mask_r[:, None] & mask_n[None, :],
+                    other=0.0)  # [BR, BN]
+        acc = tl.dot(dh, w, acc, input_precision=PRECISION)
+    tl.store(grad_slots_ptr + slots[:, None] * stride_sm + offs_n[None, :],
+             acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@with_interpreter_fixes
+def moe_grad_input(
+    grad_h: torch.Tensor, w1: torch.Tensor, partial: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
+    num_experts: int, *, expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
+    apply_router_weight_on_input: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dL/dx (M, K) in grad_h's dtype, dL/dtopk_weights (M, topk) float32).
+
+    Args:
+        grad_h: (P, 2N) and partial: (P, parts) float32, from ``moe_grad_act`` on the same align
+            outputs ``sorted_ids``, ``expert_ids``, ``num_post_padded`` (block ``GRAD_BLOCK_M``).
+        w1: (E_local, 2N, K), any strides. topk_weights: (M, topk) float32; topk_ids: (M, topk).
+        num_experts, expert_map, num_local_experts: the forward's; slots no local expert
+            computed get exactly zero gradient.
+        apply_router_weight_on_input: the forward scaled the input by the router weight.
+    """
+    m, topk = topk_ids.shape
+    k, w1_rows = w1.shape[2], w1.shape[1]
+    dev = grad_h.device
+    grad_slots = torch.empty((m * topk, k), dtype=grad_h.dtype, device=dev)
+    grad_weights = torch.zeros((m, topk), dtype=torch.float32, device=dev)
+    p = sorted_ids.shape[0]
+    if p:
+        launch(_moe_grad_input_kernel, (cdiv(p, GRAD_BLOCK_M), cdiv(k, INPUT_BLOCK_N)),
+               grad_h, w1, partial, sorted_ids, expert_ids, num_post_padded, grad_slots, grad_weights,
+               m * topk, w1_rows, k, partial.shape[1],
+               grad_h.stride(0), *w1.stride(), grad_slots.stride(0), partial.stride(0),
+               BLOCK_M=GRAD_BLOCK_M, BLOCK_N=INPUT_BLOCK_N, BLOCK_R=INPUT_BLOCK_R, PARTS_BLOCK=PARTS_BLOCK,
+               PRECISION="ieee" if grad_h.dtype == torch.float32 else "tf32", num_warps=4,
+               num_stages=2 if grad_h.dtype == torch.float32 else 3)
+    grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
+    moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,
+               topk_weights if apply_router_weight_on_input else None, expert_map, grad_x,
+               num_local_experts=num_local_experts)
+    return grad_x, grad_weights

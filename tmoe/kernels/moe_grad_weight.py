@@ -1,0 +1,125 @@
+"""Weight gradients of the expert GEMMs: K-grouped GEMMs over each expert's aligned rows.
+
+    dW[e] = sum over the rows r of expert e of  L[r].T @ R[r]      (P_DIM, Q_DIM)
+    db[e] = sum over the same rows of L[r]                          (P_DIM), with a bias
+One operand is a token tensor read through the slot's token (optionally times the slot's router
+weight), the other a buffer of ``moe_grad_act`` in aligned-row order:
+    dW2[e] (K, N)  = sum (w_s go[t_s]).T a_s     L = grad_out (tokens, scaled), R = inter
+    dW1[e] (2N, K) = sum dh_s.T x[t_s]           L = grad_h, R = x (tokens; scaled when the
+                                                 forward applied the router weight on the input)
+One program owns one output tile of one expert and walks that expert's rows in order
+(``expert_offsets`` of the align stage): fp32 accumulation, no atomics, deterministic. Rows of
+padding and of slots no local expert computed contribute exactly zero.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tmoe.kernels.common import cdiv
+from tmoe.kernels.interpreter import with_interpreter_fixes
+from tmoe.kernels.launch import launch
+
+WEIGHT_BLOCK_P, WEIGHT_BLOCK_Q, WEIGHT_BLOCK_R = 128, 128, 64
+
+
+@triton.jit(do_not_specialize=['num_slots'])
+def _moe_grad_weight_kernel(
+    left_ptr,  # TOKENS_LEFT: [M, P_DIM] token rows, else [P, P_DIM] aligned rows
+    right_ptr,  # TOKENS_LEFT: [P, Q_DIM] aligned rows, else [M, Q_DIM] token rows
+    topk_weights_ptr,  # [num_slots] float32 (SCALE_TOKENS)
+    sorted_ids_ptr,  # [P] int32
+    expert_offsets_ptr,  # [E + 1] int32: expert e's aligned rows are [offsets[e], offsets[e + 1])
+    expert_map_ptr,  # [E] int32 (HAS_MAP)
+    out_ptr,  # [E_local, P_DIM, Q_DIM]
+    bias_ptr,  # [E_local, P_DIM] (WITH_BIAS)
+    num_slots, P_DIM, Q_DIM, num_local_experts,
+    stride_lm, stride_lk, stride_rm, stride_rk, stride_oe, stride_op, stride_oq, stride_be,
+    TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+    TOKENS_LEFT: tl.constexpr, SCALE_TOKENS: tl.constexpr, HAS_MAP: tl.constexpr, WITH_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64)
+    num_pid_q = tl.cdiv(Q_DIM, BLOCK_Q)
+    pid_p = tl.program_id(1) // num_pid_q
+    pid_q = tl.program_id(1) % num_pid_q
+    local = e
+    if HAS_MAP:
+        local = tl.load(expert_map_ptr + e).to(tl.int64)
+        if (local < 0) | (local >= num_local_experts):  # remote: another rank owns its gradient
+            return
+    start = tl.load(expert_offsets_ptr + e)
+    end = tl.load(expert_offsets_ptr + e + 1)
+    offs_p = pid_p.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
+    offs_q = pid_q.to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
+    mask_p = offs_p < P_DIM
+    mask_q = offs_q < Q_DIM
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)  # [BR] aligned rows
+        slots = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=num_slots).to(tl.int64)
+        valid = slots < num_slots
+        tokens = tl.where(valid, slots // TOPK, 0)
+        if TOKENS_LEFT:
+            l_rows, r_rows = tokens, rows
+        else:
+            l_rows, r_rows = rows, tokens
+        lt = tl.load(left_ptr + l_rows[:, None] * stride_lm + offs_p[None, :] * stride_lk,
+                     mask=valid[:, None] & mask_p[None, :], other=0.0)  # [BR, BP]
+        rt = tl.load(right_ptr + r_rows[:, None] * stride_rm + offs_q[None, :] * stride_rk,
+                     mask=valid[:, None] & mask_q[None, :], other=0.0)  # [BR, BQ]
+        if SCALE_TOKENS:
+            w = tl.load(topk_weights_ptr + slots, mask=valid, other=0.0)[:, None]  # [BR, 1]
+            if TOKENS_LEFT:
+                lt = (lt.to(tl.float32) * w).to(left_ptr.dtype.element_ty)
+            else:
+                rt = (rt.to(tl.float32) * w).to(right_ptr.dtype.element_ty)
+        acc = tl.dot(tl.trans(lt), rt, acc, input_precision=PRECISION)  # [BP, BQ]
+        if WITH_BIAS:
+            acc_b += tl.sum(lt.to(tl.float32), axis=0)
+    tl.store(out_ptr + local * stride_oe + offs_p[:, None] * stride_op + offs_q[None, :] * stride_oq,
+             acc.to(out_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
+    if WITH_BIAS:
+        if pid_q == 0:
+            tl.store(bias_ptr + local * stride_be + offs_p, acc_b.to(bias_ptr.dtype.element_ty), mask=mask_p)
+
+
+@with_interpreter_fixes
+def moe_grad_weight(
+    left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
+    expert_offsets: torch.Tensor, num_local_experts: int, *, tokens_left: bool, scale_tokens: bool,
+    with_bias: bool, expert_map: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dW (E_local, P_DIM, Q_DIM), db (E_local, P_DIM) or None) in ``left``'s dtype.
+
+    Args:
+        left: (rows, P_DIM), right: (rows, Q_DIM): one of them (``tokens_left``: left) a token
+            tensor (M, ·) read at each slot's token, the other an aligned-row buffer (P, ·).
+        topk_weights: (M, topk) float32, contiguous; multiplies the token operand's rows when
+            ``scale_tokens``.
+        sorted_ids: (P,) int32 and expert_offsets: (E + 1,) int32, from ``moe_align_block_size``.
+        num_local_experts: E_local; expert_map: optional (E,) int32 global -> local id (-1 remote).
+        with_bias: also return db[e] = the sum of left's rows of expert e.
+    """
+    p_dim, q_dim = left.shape[1], right.shape[1]
+    num_experts = expert_offsets.shape[0] - 1
+    make = torch.zeros if expert_map is not None else torch.empty  # a map may leave local experts unvisited
+    grad_w = make((num_local_experts, p_dim, q_dim), dtype=left.dtype, device=left.device)
+    grad_b = make((num_local_experts, p_dim), dtype=left.dtype, device=left.device) if with_bias else None
+    if num_local_experts == 0 or p_dim == 0 or q_dim == 0:
+        return grad_w, grad_b
+    fp32 = left.dtype == torch.float32
+    launch(_moe_grad_weight_kernel,
+           (num_experts, cdiv(p_dim, WEIGHT_BLOCK_P) * cdiv(q_dim, WEIGHT_BLOCK_Q)),
+           left, right, topk_weights, sorted_ids, expert_offsets,
+           expert_map if expert_map is not None else expert_offsets, grad_w,
+           grad_b if grad_b is not None else grad_w,
+           topk_weights.numel(), p_dim, q_dim, num_local_experts,
+           left.stride(0), left.stride(1), right.stride(0), right.stride(1), *grad_w.stride(),
+           grad_b.stride(0) if grad_b is not None else 0,
+           TOPK=topk_weights.shape[1], BLOCK_P=WEIGHT_BLOCK_P, BLOCK_Q=WEIGHT_BLOCK_Q, BLOCK_R=WEIGHT_BLOCK_R,
+           TOKENS_LEFT=tokens_left, SCALE_TOKENS=scale_tokens, HAS_MAP=expert_map is not None,
+           WITH_BIAS=with_bias, PRECISION="ieee" if fp32 else "tf32", num_warps=8, num_stages=2 if fp32 else 3)
+    return grad_w, grad_b
