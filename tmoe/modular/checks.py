@@ -191,8 +191,8 @@ def check_trainable(args: LayerArgs, prepare_finalize: str, experts: str, quant_
             "NoEPPrepareAndFinalize + TritonExperts (tmoe.fused_experts' default), or run under torch.no_grad()")
     scheme = quant_dtype or weight_dtype
     if scheme is not None:
-        raise NotImplementedError(f"gradients through {scheme} expert weights are not supported (quant_config "
-                                  f"{scheme!r}); train with float weights, or run under torch.no_grad()")
+        raise NotImplementedError(f"gradients through quantized expert weights ({scheme}) are not supported; train "
+                                  "with float weights, or run under torch.no_grad()")
 
 
 def check_no_overlap(hidden_states: torch.Tensor) -> None:

@@ -1,0 +1,162 @@
+"""The layer's backward: every differentiable input's gradient against float64 autograd of the
+reference, for every activation, biases, interleaving, router weight on the input, skewed,
+out-of-range and remote routing; dtypes of the gradients as PyTorch gives them."""
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import tmoe
+from tmoe.testing import assert_close
+from tmoe.testing.tolerance import Tolerance
+from tmoe.testing.gradients import layer_grads, reference_grads
+from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# each gradient against float64: float32 kernels round their GEMMs once; bf16 ones store operands,
+# the recomputed intermediate and its gradient in bf16 (as PyTorch's bf16 autograd would)
+GRAD_TOL = {torch.float32: Tolerance(rel=1e-5, atol=1e-5, rtol=1e-3),
+            torch.bfloat16: Tolerance(rel=2e-2, atol=2e-2, rtol=0.1)}
+ROUTER_TOL = Tolerance(rel=1e-4, atol=1e-5, rtol=1e-3)  # through the softmax, whose float32 rounding adds up
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    m: int = 7
+    e: int = 4
+    n: int = 48
+    k: int = 40
+    topk: int = 2
+    routing: str = "uniform"
+    activation: str = "silu"
+    bias: bool = False
+    options: dict = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+
+
+CASES = [
+    Case("silu-m1", m=1),
+    Case("silu-skewed-m41", m=41, routing="one_hot"),
+    Case("silu-empty-experts", m=5, e=6, routing="empty_experts"),
+    Case("silu-out-of-range", m=9, routing="out_of_range"),
+    Case("silu-clamped", options=dict(swiglu_limit=0.3)),
+    Case("gelu-bias", activation="gelu", bias=True),
+    Case("gelu_tanh", activation="gelu_tanh", n=130),
+    Case("swigluoai-interleaved-bias", activation="swigluoai", bias=True,
+         options=dict(swiglu_alpha=1.3, swiglu_limit=0.8, gate_up_interleaved=True)),
+    Case("silu_no_mul-bias", activation="silu_no_mul", bias=True),
+    Case("gelu_no_mul", activation="gelu_no_mul"),
+    Case("relu2_no_mul-bias", activation="relu2_no_mul", bias=True),
+    Case("weight-on-input-bias", topk=1, bias=True, options=dict(apply_router_weight_on_input=True)),
+    Case("one-expert", e=1, topk=1, m=6),
+    Case("odd-sizes", m=11, e=3, n=67, k=71, topk=3, bias=True),
+    Case("bf16", m=19, bias=True, dtype=torch.bfloat16),
+]
+
+
+def _inputs(case: Case, seed: int = 0) -> dict:
+    p = make_problem(MoEShape(case.m, case.e, case.n, case.k, case.topk), case.dtype, case.routing, seed=seed,
+                     device=DEVICE)
+    w1 = p.w1[:, : case.n].contiguous() if case.activation.endswith("_no_mul") else p.w1
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    bias = (lambda *s: (0.5 * torch.randn(*s, generator=g)).to(case.dtype).to(DEVICE)) if case.bias else None
+    inputs = dict(hidden_states=p.x, w1=w1, w2=p.w2, topk_weights=p.topk_weights, topk_ids=p.topk_ids,
+                  w1_bias=bias(case.e, w1.shape[1]) if bias else None, w2_bias=bias(case.e, case.k) if bias else None)
+    for name, t in inputs.items():
+        if t is not None and t.is_floating_point():
+            t.requires_grad_()
+    return inputs
+
+
+def _check(grads: dict, ref: dict, dtype: torch.dtype, inputs: dict) -> None:
+    assert grads.keys() == ref.keys()
+    for name, g in grads.items():
+        assert g.dtype == inputs[name].dtype, f"{name}.grad dtype {g.dtype}, expected {inputs[name].dtype}"
+        assert_close(g, ref[name], GRAD_TOL[dtype], name=f"d{name}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gradients_match_float64_reference(case):
+    inputs = _inputs(case)
+    options = dict(activation=case.activation, **case.options)
+    grad_out = torch.randn(case.m, case.k, device=DEVICE).to(case.dtype)
+    grads = layer_grads(tmoe.fused_experts, inputs, grad_out, **options)
+    _check(grads, reference_grads(inputs, grad_out, **options), case.dtype, inputs)
+
+
+def test_remote_experts_get_zero_gradient():
+    """expert_map: slots of remote experts contribute exactly zero to every gradient."""
+    case = Case("map", m=9, e=6, bias=True)
+    inputs = _inputs(case)
+    emap = half_remote_expert_map(case.e, DEVICE)
+    for name in ("w1", "w2", "w1_bias", "w2_bias"):  # this rank holds the even experts
+        inputs[name] = inputs[name][0::2].detach().requires_grad_()
+    options = dict(global_num_experts=case.e, expert_map=emap)
+    grad_out = torch.randn(case.m, case.k, device=DEVICE)
+    grads = layer_grads(tmoe.fused_experts, inputs, grad_out, **options)
+    _check(grads, reference_grads(inputs, grad_out, **options), torch.float32, inputs)
+    remote = (inputs["topk_ids"] % 2 == 1)
+    assert remote.any() and torch.all(grads["topk_weights"][remote] == 0)
+
+
+def test_no_tokens():
+    inputs = _inputs(Case("m0", m=0))
+    grads = layer_grads(tmoe.fused_experts, inputs, torch.empty(0, 40, device=DEVICE))
+    assert grads["hidden_states"].shape == (0, 40)
+    assert torch.all(grads["w1"] == 0) and torch.all(grads["w2"] == 0)
+
+
+def test_gradients_are_bitwise_reproducible():
+    case = Case("repeat", m=33, bias=True)
+    inputs = _inputs(case)
+    grad_out = torch.randn(case.m, case.k, device=DEVICE)
+    first = layer_grads(tmoe.fused_experts, inputs, grad_out)
+    second = layer_grads(tmoe.fused_experts, inputs, grad_out)
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"d{name} differs between two runs"
+
+
+def test_frozen_experts_skip_weight_gradients(monkeypatch):
+    """LoRA-style: w1/w2 frozen, so the weight-gradient op never runs; x and the router weights still get theirs."""
+    import tmoe.ops.backward as backward_ops
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weight-gradient kernel ran for frozen experts")
+
+    monkeypatch.setattr(backward_ops, "_grad_weight", refuse)
+    inputs = _inputs(Case("frozen"))
+    inputs["w1"].requires_grad_(False)
+    inputs["w2"].requires_grad_(False)
+    grad_out = torch.randn(7, 40, device=DEVICE)
+    grads = layer_grads(tmoe.fused_experts, inputs, grad_out)
+    assert set(grads) == {"hidden_states", "topk_weights"}
+    _check(grads, reference_grads(inputs, grad_out), torch.float32, inputs)
+
+
+def test_fused_moe_trains_like_a_reference_module():
+    """A few Adam steps of FusedMoE (router included) track the same steps of the float32 reference."""
+    torch.manual_seed(3)
+    e, k, n, topk, m = 4, 32, 24, 2, 16
+    layer = tmoe.FusedMoE(e, k, n, topk, dtype=torch.float32, device=DEVICE).requires_grad_(True)
+    ref = {name: p.detach().clone().requires_grad_() for name, p in layer.named_parameters()}
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.values(), lr=1e-2)
+    x, target = torch.randn(m, k, device=DEVICE), torch.randn(m, k, device=DEVICE)
+    for step in range(3):
+        loss = (layer(x) - target).square().mean()
+        logits = x @ ref["router_weight"].T
+        w, ids = tmoe.reference.topk_route_reference(logits, topk)
+        # the reference's weights: the same picks, differentiable through the softmax
+        w = torch.softmax(logits, -1).gather(1, ids.long())
+        w = w / w.sum(-1, keepdim=True)
+        ref_loss = (tmoe.reference.moe_reference(x, ref["w1"], ref["w2"], w, ids) - target).square().mean()
+        assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1.0, abs(ref_loss.item())), f"step {step}"
+        for o, l in ((opt, loss), (ref_opt, ref_loss)):
+            o.zero_grad()
+            l.backward()
+        for name, p in layer.named_parameters():
+            assert_close(p.grad, ref[name].grad, ROUTER_TOL if name == "router_weight" else GRAD_TOL[torch.float32],
+                         name=f"{name}.grad")
+        opt.step()
+        ref_opt.step()
