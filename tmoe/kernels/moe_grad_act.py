@@ -14,6 +14,8 @@ block), summed in a fixed order by ``moe_grad_input``. No atomics: deterministic
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -23,7 +25,16 @@ from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import launch
 
 GRAD_BLOCK_M = 64  # the backward's align block size (rows of one expert per program)
-ACT_BLOCK_N, ACT_BLOCK_K = 64, 64
+
+
+@dataclass(frozen=True)
+class ActTiles:
+    """Tiles of ``moe_grad_act``: BLOCK_N intermediate columns, BLOCK_K steps (rows: the align block)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @triton.jit
@@ -195,9 +206,9 @@ def _moe_grad_act_kernel(
     tl.store(p_ptrs, tl.where(mask_m, part, 0.0))
 
 
-def grad_act_blocks(n: int) -> int:
+def grad_act_blocks(n: int, tiles: ActTiles = ActTiles()) -> int:
     """Column blocks of the ``partial`` output (one float32 per aligned row and block)."""
-    return cdiv(n, ACT_BLOCK_N)
+    return cdiv(n, tiles.block_n)
 
 
 @with_interpreter_fixes
@@ -206,7 +217,8 @@ def moe_grad_act(
     topk: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor, *,
     activation: str = "silu", swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
     gate_up_interleaved: bool = False, apply_router_weight_on_input: bool = False,
-    w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+    w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, block_m: int = GRAD_BLOCK_M,
+    tiles: ActTiles = ActTiles(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The intermediate's gradient, the intermediate and the router weights' partial gradients.
 
@@ -214,14 +226,14 @@ def moe_grad_act(
         grad_out: (M, K) gradient of the layer output, x's dtype; x: (M, K) float16/bfloat16/float32.
         w1: (E, 2N, K) (E, N, K for a *_no_mul activation); w2: (E, K, N); x's dtype, any strides.
         topk_weights: (M, topk) float32, contiguous.
-        sorted_ids, expert_ids, num_post_padded: ``moe_align_block_size(topk_ids, GRAD_BLOCK_M, ...)``.
+        sorted_ids, expert_ids, num_post_padded: ``moe_align_block_size(topk_ids, block_m, ...)``.
         activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
         w1_bias (E, 2N), w2_bias (E, K): the forward's (``tmoe.modular.LayerArgs``).
 
     Returns:
         grad_h (P, 2N) in aligned-row order and w1's row order, x's dtype (rows of padding and
         remote experts zero); inter (P, N) the recomputed intermediate act(h), x's dtype;
-        partial (P, cdiv(N, ACT_BLOCK_N)) float32, dL/dw of each aligned row per column block
+        partial (P, cdiv(N, tiles.block_n)) float32, dL/dw of each aligned row per column block
         (P = sorted_ids.numel(); rows at or past num_post_padded are not written).
     """
     num_slots = topk_weights.numel()
@@ -230,19 +242,21 @@ def moe_grad_act(
     alpha, limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
     grad_h = torch.empty((p, per_n * n), dtype=x.dtype, device=x.device)
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
-    num_pid_n = grad_act_blocks(n)
+    num_pid_n = grad_act_blocks(n, tiles)
     partial = torch.empty((p, num_pid_n), dtype=torch.float32, device=x.device)
     if p == 0:
         return grad_h, inter, partial
     b1 = w1_bias if w1_bias is not None else topk_weights
     b2 = w2_bias if w2_bias is not None else topk_weights
-    launch(_moe_grad_act_kernel, (cdiv(p, GRAD_BLOCK_M), num_pid_n),
+    fp32 = x.dtype == torch.float32
+    launch(_moe_grad_act_kernel, (cdiv(p, block_m), num_pid_n),
            grad_out, x, w1, w2, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, grad_h, inter, partial,
            num_slots, n, k, alpha, limit,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
            b1.stride(0), b2.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
-           TOPK=topk, BLOCK_M=GRAD_BLOCK_M, BLOCK_N=ACT_BLOCK_N, BLOCK_K=ACT_BLOCK_K, ACTIVATION=activation,
+           TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, ACTIVATION=activation,
            MUL=per_n == 2, CLAMP=clamp, INTERLEAVED=gate_up_interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
-           PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)
+           PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
+           num_stages=min(tiles.num_stages, 2) if fp32 else tiles.num_stages)  # fp32 tiles: twice the bytes
     return grad_h, inter, partial

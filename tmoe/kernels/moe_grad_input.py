@@ -9,6 +9,8 @@ gradients (``moe_grad_act``) in a fixed order. No atomics: deterministic.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -19,7 +21,17 @@ from tmoe.kernels.launch import launch
 from tmoe.kernels.moe_grad_act import GRAD_BLOCK_M
 from tmoe.kernels.reduce import moe_reduce
 
-INPUT_BLOCK_N, INPUT_BLOCK_R, PARTS_BLOCK = 128, 64, 16
+PARTS_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class InputTiles:
+    """Tiles of ``moe_grad_input``: BLOCK_N columns of K, BLOCK_R steps over w1's rows."""
+
+    block_n: int = 128
+    block_r: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @triton.jit(do_not_specialize=['num_slots'])
@@ -76,13 +88,13 @@ def moe_grad_input(
     grad_h: torch.Tensor, w1: torch.Tensor, partial: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
     num_experts: int, *, expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
-    apply_router_weight_on_input: bool = False,
+    apply_router_weight_on_input: bool = False, block_m: int = GRAD_BLOCK_M, tiles: InputTiles = InputTiles(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dx (M, K) in grad_h's dtype, dL/dtopk_weights (M, topk) float32).
 
     Args:
         grad_h: (P, 2N) and partial: (P, parts) float32, from ``moe_grad_act`` on the same align
-            outputs ``sorted_ids``, ``expert_ids``, ``num_post_padded`` (block ``GRAD_BLOCK_M``).
+            outputs ``sorted_ids``, ``expert_ids``, ``num_post_padded`` (block ``block_m``).
         w1: (E_local, 2N, K), any strides. topk_weights: (M, topk) float32; topk_ids: (M, topk).
         num_experts, expert_map, num_local_experts: the forward's; slots no local expert
             computed get exactly zero gradient.
@@ -95,13 +107,14 @@ def moe_grad_input(
     grad_weights = torch.zeros((m, topk), dtype=torch.float32, device=dev)
     p = sorted_ids.shape[0]
     if p:
-        launch(_moe_grad_input_kernel, (cdiv(p, GRAD_BLOCK_M), cdiv(k, INPUT_BLOCK_N)),
+        fp32 = grad_h.dtype == torch.float32
+        launch(_moe_grad_input_kernel, (cdiv(p, block_m), cdiv(k, tiles.block_n)),
                grad_h, w1, partial, sorted_ids, expert_ids, num_post_padded, grad_slots, grad_weights,
                m * topk, w1_rows, k, partial.shape[1],
                grad_h.stride(0), *w1.stride(), grad_slots.stride(0), partial.stride(0),
-               BLOCK_M=GRAD_BLOCK_M, BLOCK_N=INPUT_BLOCK_N, BLOCK_R=INPUT_BLOCK_R, PARTS_BLOCK=PARTS_BLOCK,
-               PRECISION="ieee" if grad_h.dtype == torch.float32 else "tf32", num_warps=4,
-               num_stages=2 if grad_h.dtype == torch.float32 else 3)
+               BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK,
+               PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
+               num_stages=min(tiles.num_stages, 2) if fp32 else tiles.num_stages)
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,
                topk_weights if apply_router_weight_on_input else None, expert_map, grad_x,

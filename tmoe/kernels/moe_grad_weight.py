@@ -13,6 +13,8 @@ padding and of slots no local expert computed contribute exactly zero.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +23,17 @@ from tmoe.kernels.common import cdiv
 from tmoe.kernels.interpreter import with_interpreter_fixes
 from tmoe.kernels.launch import launch
 
-WEIGHT_BLOCK_P, WEIGHT_BLOCK_Q, WEIGHT_BLOCK_R = 128, 128, 64
+
+
+@dataclass(frozen=True)
+class WeightTiles:
+    """Tiles of ``moe_grad_weight``: a BLOCK_P x BLOCK_Q output tile, BLOCK_R rows a step."""
+
+    block_p: int = 128
+    block_q: int = 128
+    block_r: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
 
 
 @triton.jit(do_not_specialize=['num_slots'])
@@ -90,7 +102,7 @@ def _moe_grad_weight_kernel(
 def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
     expert_offsets: torch.Tensor, num_local_experts: int, *, tokens_left: bool, scale_tokens: bool,
-    with_bias: bool, expert_map: torch.Tensor | None = None,
+    with_bias: bool, expert_map: torch.Tensor | None = None, tiles: WeightTiles = WeightTiles(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dW (E_local, P_DIM, Q_DIM), db (E_local, P_DIM) or None) in ``left``'s dtype.
 
@@ -112,14 +124,15 @@ def moe_grad_weight(
         return grad_w, grad_b
     fp32 = left.dtype == torch.float32
     launch(_moe_grad_weight_kernel,
-           (num_experts, cdiv(p_dim, WEIGHT_BLOCK_P) * cdiv(q_dim, WEIGHT_BLOCK_Q)),
+           (num_experts, cdiv(p_dim, tiles.block_p) * cdiv(q_dim, tiles.block_q)),
            left, right, topk_weights, sorted_ids, expert_offsets,
            expert_map if expert_map is not None else expert_offsets, grad_w,
            grad_b if grad_b is not None else grad_w,
            topk_weights.numel(), p_dim, q_dim, num_local_experts,
            left.stride(0), left.stride(1), right.stride(0), right.stride(1), *grad_w.stride(),
            grad_b.stride(0) if grad_b is not None else 0,
-           TOPK=topk_weights.shape[1], BLOCK_P=WEIGHT_BLOCK_P, BLOCK_Q=WEIGHT_BLOCK_Q, BLOCK_R=WEIGHT_BLOCK_R,
+           TOPK=topk_weights.shape[1], BLOCK_P=tiles.block_p, BLOCK_Q=tiles.block_q, BLOCK_R=tiles.block_r,
            TOKENS_LEFT=tokens_left, SCALE_TOKENS=scale_tokens, HAS_MAP=expert_map is not None,
-           WITH_BIAS=with_bias, PRECISION="ieee" if fp32 else "tf32", num_warps=8, num_stages=2 if fp32 else 3)
+           WITH_BIAS=with_bias, PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
+           num_stages=min(tiles.num_stages, 2) if fp32 else tiles.num_stages)
     return grad_w, grad_b
