@@ -1,9 +1,9 @@
-"""``python -m tmoe [demo|bench|bench-ep|tune|tables] ...``: the command-line tools in ``tmoe.tools``."""
+"""``python -m tmoe [demo|bench|bench-ep|bench-train|tune|tables] ...``: the command-line tools in ``tmoe.tools``."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | tune ... | tables ... | -h]
+USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | bench-train ... | tune ... | tables ... | -h]
 
   demo    (default) a random MoE layer run eager, compiled and (GPU) as a CUDA graph, each
           checked against the float32 reference, with error and time
@@ -11,6 +11,8 @@ USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | tune ... | t
   bench-ep  expert parallelism: all-gather vs all-to-all step, dispatch and combine times and
           bytes per rank (spawns --world-size processes, NCCL); bench-ep -h for options
   tune    tile-config tuning into vLLM-named JSON tables (GPU); tune -h for options
+  bench-train  forward+backward time and peak memory against the floor, grouped_mm and Liger (GPU;
+          --tiny on CPU); bench-train -h for options
   tables  the README's benchmark tables from one run's bench_moe.csv rows; tables -h for options
 """
 
@@ -28,6 +30,10 @@ def main(argv: list[str]) -> int:
         from tmoe.tools.bench_ep import main as bench_ep_main
 
         return bench_ep_main(rest) or 0
+    if command == "bench-train":
+        from tmoe.tools.bench_train import main as bench_train_main
+
+        return bench_train_main(rest) or 0
     if command == "tune":
         from tmoe.tools.tune import main as tune_main
 
