@@ -170,7 +170,8 @@ def check_no_grad_inplace(hidden_states: torch.Tensor) -> None:
                            "(its input is overwritten); pass inplace=False to train, or run under torch.no_grad()")
 
 
-TRAINABLE_PARTS = ("noep", "triton")  # the PrepareAndFinalize and experts kinds with a backward
+# the (PrepareAndFinalize, experts) kinds with a backward
+TRAINABLE_PARTS = (("noep", "triton"), ("allgather", "triton"))
 DIFFERENTIABLE = ("hidden_states", "w1", "w2", "topk_weights", "w1_bias", "w2_bias")
 
 
@@ -182,13 +183,14 @@ def needs_grad(args: LayerArgs) -> bool:
 
 def check_trainable(args: LayerArgs, prepare_finalize: str, experts: str, quant_dtype: str | None,
                     weight_dtype: str | None) -> None:
-    """A call that needs gradients runs a layer with a backward: the single-device Standard
-    composition (``NoEPPrepareAndFinalize`` + ``TritonExperts``) on float weights. Raises before
-    any launch, naming what has no backward."""
-    if (prepare_finalize, experts) != TRAINABLE_PARTS:
+    """A call that needs gradients runs a layer with a backward: ``TritonExperts`` behind
+    ``NoEPPrepareAndFinalize`` (one device) or ``AllGatherPrepareAndFinalize`` (expert
+    parallelism), on float weights. Raises before any launch, naming what has no backward."""
+    if (prepare_finalize, experts) not in TRAINABLE_PARTS:
         raise NotImplementedError(
             f"the {prepare_finalize!r} PrepareAndFinalize with {experts!r} experts has no backward; gradients need "
-            "NoEPPrepareAndFinalize + TritonExperts (tmoe.fused_experts' default), or run under torch.no_grad()")
+            "TritonExperts behind NoEPPrepareAndFinalize (tmoe.fused_experts' default) or "
+            "AllGatherPrepareAndFinalize, or run under torch.no_grad()")
     scheme = quant_dtype or weight_dtype
     if scheme is not None:
         raise NotImplementedError(f"gradients through quantized expert weights ({scheme}) are not supported; train "

@@ -41,7 +41,7 @@ class NamedGroup:
         return self._group_name
 
 
-def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
+def all_gather_rows(t: torch.Tensor, group) -> torch.Tensor:
     """(world * n, ...) = the ranks' (n, ...) tensors stacked in rank order."""
     world = dist.get_world_size(group)
     out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
@@ -52,7 +52,7 @@ def _all_gather(t: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def _reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor, group) -> None:
+def reduce_scatter_rows(out: torch.Tensor, full: torch.Tensor, group) -> None:
     """``out`` (n, ...) = this rank's slice of the sum over ranks of ``full`` (world * n, ...)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if dist.get_backend(group) == "nccl":
@@ -91,10 +91,10 @@ class AllGatherPrepareAndFinalize(NamedGroup, FusedMoEPrepareAndFinalize):
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
                 quant_config, a1_scale=None) -> PrepareResult:
-        x = _all_gather(a1, self.group)
+        x = all_gather_rows(a1, self.group)
         a1q, scale = quantize_activations(x, quant_config, a1_scale)
-        return PrepareResult(a1q, scale, topk_ids=_all_gather(topk_ids, self.group),
-                             topk_weights=_all_gather(topk_weights, self.group))
+        return PrepareResult(a1q, scale, topk_ids=all_gather_rows(topk_ids, self.group),
+                             topk_weights=all_gather_rows(topk_weights, self.group))
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
                  num_experts, expert_map, prepared, num_local_experts) -> None:
@@ -103,4 +103,4 @@ class AllGatherPrepareAndFinalize(NamedGroup, FusedMoEPrepareAndFinalize):
                               device=output.device)
         moe_reduce(fused_expert_output, prepared.topk_ids, num_experts, weights, expert_map, out=partial,
                    num_local_experts=num_local_experts)
-        _reduce_scatter_sum(output, partial, self.group)
+        reduce_scatter_rows(output, partial, self.group)

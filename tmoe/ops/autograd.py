@@ -13,7 +13,7 @@ from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_
 _NUM_LAYER_ARGS = len(LayerArgs._fields)
 _INDEX = {name: i for i, name in enumerate(LayerArgs._fields)}
 # KernelSpec's arguments after the layer's: prepare_finalize kind, its args, group, experts kind, its args, quant...
-_PF, _EXPERTS, _QUANT_DTYPE, _WEIGHT_DTYPE = 0, 3, 5, 9
+_PF, _GROUP, _EXPERTS, _QUANT_DTYPE, _WEIGHT_DTYPE = 0, 2, 3, 5, 9
 
 
 def inference_only(op: CustomOpDef) -> None:
@@ -38,6 +38,9 @@ def _layer_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
     check_layer_inputs_trainable(inputs)
     call = LayerArgs(*inputs[:_NUM_LAYER_ARGS])
     ctx.num_inputs = len(inputs)
+    # all-gather expert parallelism: the backward gathers x, routing and grad_out again, and sums
+    # the input and router gradients back to the ranks that own the tokens
+    ctx.group = inputs[_NUM_LAYER_ARGS + _GROUP] if inputs[_NUM_LAYER_ARGS + _PF] == "allgather" else ""
     ctx.options = (call.activation, call.swiglu_alpha, call.swiglu_limit, call.gate_up_interleaved,
                    call.apply_router_weight_on_input, call.global_num_experts)
     ctx.save_for_backward(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, call.expert_map,
@@ -55,6 +58,9 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     num_experts = global_num_experts if global_num_experts > 0 else e_local
     num_local = e_local if expert_map is not None else None
     tmoe = torch.ops.tmoe
+    if ctx.group:
+        x, topk_weights, topk_ids, grad_out = (tmoe.ep_all_gather(t, ctx.group)
+                                               for t in (x, topk_weights, topk_ids, grad_out))
     topk_weights = topk_weights.contiguous()
     sorted_ids, expert_ids, num_post_padded, offsets = tmoe.moe_grad_align(topk_ids.contiguous(), num_experts,
                                                                            expert_map, num_local)
@@ -65,6 +71,9 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     if needs[_INDEX["hidden_states"]] or needs[_INDEX["topk_weights"]]:
         grad_x, grad_w = tmoe.moe_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_ids, expert_ids,
                                              num_post_padded, num_experts, expert_map, num_local, on_input)
+        if ctx.group:  # each rank's tokens collect their slots' gradients from every rank's experts
+            grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group).to(grad_x.dtype)
+            grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)
         grads[_INDEX["hidden_states"]], grads[_INDEX["topk_weights"]] = grad_x, grad_w
     # dW1[e] = sum dh^T x (x times the router weight when the forward scaled the input)
     _weight_grads(grads, needs, "w1", "w1_bias", w1_bias is not None, grad_h, x, topk_weights, sorted_ids, offsets,

@@ -1,4 +1,5 @@
-"""The backward stage ops ``torch.ops.tmoe.moe_grad_*`` and ``topk_route_grad``, with their fakes.
+"""The backward stage ops ``torch.ops.tmoe.moe_grad_*``, ``topk_route_grad`` and the all-gather
+expert parallelism's collectives (``ep_all_gather``, ``ep_reduce_scatter``), with their fakes.
 
 The layer op's autograd formula (``tmoe.ops.autograd``) calls them, so AOTAutograd traces the
 backward into the same graph as the forward. Shapes come from static sizes only; the block size
@@ -6,6 +7,8 @@ of the backward's align is the constant ``GRAD_BLOCK_M`` (no config lookup in tr
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
@@ -14,6 +17,7 @@ from tmoe.kernels.moe_grad_act import GRAD_BLOCK_M, grad_act_blocks, moe_grad_ac
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
 from tmoe.kernels.moe_grad_weight import moe_grad_weight as _grad_weight
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
+from tmoe.modular.distributed import all_gather_rows, reduce_scatter_rows
 
 
 @torch.library.custom_op("tmoe::moe_grad_align", mutates_args=())
@@ -115,3 +119,32 @@ def topk_route_grad(
 @topk_route_grad.register_fake
 def _(grad_weights, router_logits, topk_ids, scoring, renormalize, routed_scaling_factor):
     return torch.empty_like(router_logits, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("tmoe::ep_all_gather", mutates_args=())
+def ep_all_gather(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """(world * n, ...) = the ranks' (n, ...) tensors in rank order: the all-gather expert
+    parallelism's dispatch, which its backward repeats (for x and routing) and applies to grad_out."""
+    return all_gather_rows(t, _resolve_process_group(group_name))
+
+
+@ep_all_gather.register_fake
+def _(t, group_name):
+    world = dist.get_world_size(_resolve_process_group(group_name))
+    return t.new_empty((world * t.shape[0], *t.shape[1:]))
+
+
+@torch.library.custom_op("tmoe::ep_reduce_scatter", mutates_args=())
+def ep_reduce_scatter(t: torch.Tensor, group_name: str) -> torch.Tensor:
+    """(n, ...) float32: this rank's rows of the sum over ranks of ``t`` (world * n, ...), summed
+    in float32: the adjoint of ``ep_all_gather``."""
+    group = _resolve_process_group(group_name)
+    out = torch.empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]), dtype=torch.float32, device=t.device)
+    reduce_scatter_rows(out, t.float(), group)
+    return out
+
+
+@ep_reduce_scatter.register_fake
+def _(t, group_name):
+    world = dist.get_world_size(_resolve_process_group(group_name))
+    return t.new_empty((t.shape[0] // world, *t.shape[1:]), dtype=torch.float32)

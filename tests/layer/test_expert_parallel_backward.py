@@ -1,0 +1,102 @@
+"""The all-gather expert parallelism's backward with gloo at world size 2 on CPU: every rank's
+gradients (its tokens' x and router weights, its local experts' weights and biases) against the
+float64 reference over all experts in one process. Inside the spawned ranks ``torch.empty`` is
+NaN-poisoned as in conftest, so an unwritten row shows up."""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+E, N, K, TOPK, M_PER_RANK, WORLD = 4, 24, 40, 2, 5, 2
+CASES = {"silu": dict(activation="silu"),
+         "swigluoai-interleaved-bias": dict(activation="swigluoai", gate_up_interleaved=True, bias=True),
+         "round-robin-out-of-range": dict(activation="gelu", placement="round_robin", out_of_range=True)}
+
+
+def _problem(case: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    m = WORLD * M_PER_RANK
+    ids = torch.rand(m, E, generator=g).topk(TOPK, dim=-1).indices.to(torch.int32)
+    if case.get("out_of_range"):
+        ids[1, 0], ids[M_PER_RANK + 2, 1] = E, -1
+    p = dict(hidden_states=torch.randn(m, K, generator=g), w1=torch.randn(E, 2 * N, K, generator=g) / K**0.5,
+             w2=torch.randn(E, K, N, generator=g) / N**0.5, topk_weights=torch.rand(m, TOPK, generator=g),
+             topk_ids=ids, grad_out=torch.randn(m, K, generator=g))
+    if case.get("bias"):
+        p.update(w1_bias=0.3 * torch.randn(E, 2 * N, generator=g), w2_bias=0.3 * torch.randn(E, K, generator=g))
+    return p
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_file: str) -> None:
+    from tmoe.testing import poison
+
+    real_empty = torch.empty
+    torch.empty = lambda *a, **kw: poison(real_empty(*a, **kw))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    import tmoe
+    from tmoe.modular.placement import expert_map, shard_experts
+    from tmoe.testing.gradients import layer_grads
+
+    layer = tmoe.FusedMoEModularKernel(tmoe.AllGatherPrepareAndFinalize(), tmoe.TritonExperts())
+    results = {}
+    for i, (name, case) in enumerate(CASES.items()):
+        p = _problem(case, seed=i)
+        placement = case.get("placement", "contiguous")
+        rows = slice(rank * M_PER_RANK, (rank + 1) * M_PER_RANK)
+        inputs = {n: p[n][rows] for n in ("hidden_states", "topk_weights", "topk_ids")}
+        for n in ("w1", "w2", "w1_bias", "w2_bias"):
+            inputs[n] = shard_experts(p.get(n), world, rank, placement)
+        for t in inputs.values():
+            if t is not None and t.is_floating_point():
+                t.requires_grad_()
+        opts = dict(activation=case["activation"], gate_up_interleaved=case.get("gate_up_interleaved", False),
+                    global_num_experts=E, expert_map=expert_map(E, world, rank, placement))
+        results[name] = {n: g.detach() for n, g in layer_grads(layer, inputs, p["grad_out"][rows], **opts).items()}
+    if rank == 0:
+        results["world"] = world
+    with open(f"{out_file}.{rank}", "wb") as f:
+        pickle.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def rank_results():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "grads")
+        mp.spawn(_rank_main, args=(WORLD, os.path.join(tmp, "init"), out), nprocs=WORLD, join=True)
+        results = []
+        for rank in range(WORLD):
+            with open(f"{out}.{rank}", "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_allgather_gradients_match_single_process_reference(rank_results, name):
+    from tmoe.modular.placement import shard_experts
+    from tmoe.testing import assert_close
+    from tmoe.testing.gradients import reference_grads
+    from tmoe.testing.tolerance import Tolerance
+
+    case = CASES[name]
+    p = _problem(case, seed=list(CASES).index(name))
+    inputs = {n: p.get(n) for n in ("hidden_states", "w1", "w2", "topk_weights", "topk_ids", "w1_bias", "w2_bias")}
+    for t in inputs.values():
+        if t is not None and t.is_floating_point():
+            t.requires_grad_()
+    ref = reference_grads(inputs, p["grad_out"], activation=case["activation"],
+                          gate_up_interleaved=case.get("gate_up_interleaved", False))
+    tol = Tolerance(rel=1e-5, atol=1e-5, rtol=1e-3)
+    placement = case.get("placement", "contiguous")
+    for rank, results in enumerate(rank_results):
+        rows = slice(rank * M_PER_RANK, (rank + 1) * M_PER_RANK)
+        for n, g in results[name].items():
+            want = ref[n][rows] if n in ("hidden_states", "topk_weights") else shard_experts(ref[n], WORLD, rank,
+                                                                                               placement)
+            assert_close(g, want, tol, name=f"rank {rank} d{n}")
