@@ -60,7 +60,7 @@ def align_path(request, monkeypatch):
     """Past one chunk: the three launches, or the one sorting program with the three launches'
     first kernel removed, so a case that still took them would fail."""
     from tmoe.kernels import align
-    from tmoe.kernels.launch import clear_launch_caches
+    from tmoe.runtime.state import clear_launch_caches
 
     if request.param == "chunks":
         monkeypatch.setattr(align, "SORT_MAX_SLOTS", 0)
@@ -124,7 +124,7 @@ def test_align_sort_matches_chunks(e, numel, monkeypatch, device):
     """The sorting program gives exactly the three launches' outputs (``expert_offsets`` and an
     expert map included), at its largest size and at E above and below the slot count."""
     from tmoe.kernels import align
-    from tmoe.kernels.launch import clear_launch_caches
+    from tmoe.runtime.state import clear_launch_caches
 
     g = torch.Generator().manual_seed(numel + e)
     ids = torch.randint(-1, e + 1, (numel,), generator=g, dtype=torch.int32).to(device)  # out-of-range ids too

@@ -7,7 +7,8 @@ import torch
 
 import tmoe
 from tmoe.config import config_file_name, get_config, save_table
-from tmoe.kernels.gemm_args import SHARED_MEMORY_BUDGET, fit_shared_memory
+from tmoe.kernels.gemm_args import fit_shared_memory
+from tmoe.runtime.device import SHARED_MEMORY_BUDGET
 
 
 def test_heuristic_block_m_grows_with_tokens_per_expert():

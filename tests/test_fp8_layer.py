@@ -147,8 +147,8 @@ def test_epilogue_quant_equals_group_quant_of_float32_intermediate(layout, tma):
     ``per_token_group_quant_fp8`` gives for the same GEMM's float32 intermediate (bit for bit:
     same accumulator, same rounding); unwritten elements stay NaN-poisoned and fail."""
     from tmoe.config import GemmConfig
-    from tmoe.kernels.gemm_args import Scales
-    from tmoe.kernels.gemm_args import DirectRouting, Routing
+    from tmoe.kernels.operands import Scales
+    from tmoe.kernels.operands import DirectRouting, Routing
     from tmoe.kernels.moe_gemm import invoke_moe_gemm
     from tmoe.testing import poison
 

@@ -1,4 +1,4 @@
-"""tmoe's Triton-interpreter workarounds (tmoe/kernels/interpreter.py): on by default for tmoe's
+"""tmoe's Triton-interpreter workarounds (tmoe/runtime/interpreter.py): on by default for tmoe's
 launches, gone for everybody else's, and each one still needed by the interpreter in use."""
 import json
 import os
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import tmoe
-from tmoe.kernels.interpreter import INTERPRETED, interpreter_fixes
+from tmoe.runtime.interpreter import INTERPRETED, interpreter_fixes
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem
@@ -106,7 +106,7 @@ def fault_results() -> dict[str, list[bool]]:
     (an earlier test may have installed the fixes process-wide with ``patch_interpreter``)."""
     out = _run(textwrap.dedent(f"""
         import importlib.util, json
-        from tmoe.kernels.interpreter import interpreter_fixes
+        from tmoe.runtime.interpreter import interpreter_fixes
         spec = importlib.util.spec_from_file_location("faults", {str(pathlib.Path(__file__))!r})
         faults = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(faults)

@@ -14,7 +14,7 @@ from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.dispatch import batched_dispatch
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
-from tmoe.kernels.gemm_args import DirectRouting, Routing
+from tmoe.kernels.operands import DirectRouting, Routing
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.kernels.reduce import moe_reduce
 from tmoe.reference import moe_reference, valid_slots

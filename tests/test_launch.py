@@ -1,5 +1,5 @@
-"""``tmoe.kernels.launch.launch``: the direct call of a compiled kernel after the first launch of
-an argument signature; ``tmoe.kernels.plan``: planned launchers and launch sequences. On CPU the
+"""``tmoe.runtime.launch.launch``: the direct call of a compiled kernel after the first launch of
+an argument signature; ``tmoe.runtime.plan``: planned launchers and launch sequences. On CPU the
 GPU branch is driven with a fake kernel; on a GPU the layer's launches are checked to take it,
 with results equal to the reference."""
 import pytest
@@ -7,8 +7,8 @@ import torch
 
 import tmoe
 from tmoe.config import override_route
-from tmoe.kernels import launch as launch_mod
-from tmoe.kernels import plan as plan_mod
+from tmoe.runtime import launch as launch_mod, state
+from tmoe.runtime import plan as plan_mod
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 
@@ -40,12 +40,12 @@ class FakeKernel:
 
 @pytest.fixture
 def gpu_branch(monkeypatch):
-    monkeypatch.setattr(launch_mod, "DIRECT_CALLS", True)
+    monkeypatch.setattr(state, "DIRECT_CALLS", True)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
-    launch_mod.clear_launch_caches()
+    state.clear_launch_caches()
     yield
-    launch_mod.clear_launch_caches()
+    state.clear_launch_caches()
 
 
 def test_second_launch_of_a_signature_calls_the_compiled_kernel(gpu_branch):
@@ -143,14 +143,14 @@ def test_layer_launches_take_the_direct_call_and_stay_exact(route):
             x = buf[offset: offset + m * k].view(m, k)
             w, ids = torch.topk(torch.randn(m, e, device="cuda").softmax(-1), topk)
             out = tmoe.fused_experts(x, w1, w2, w, ids.int())
-            launch_mod.clear_launch_caches()
+            state.clear_launch_caches()
             via_triton = tmoe.fused_experts(x, w1, w2, w, ids.int())
             assert torch.equal(out, via_triton)
             assert_close(out, moe_reference(x, w1, w2, w, ids.int()), torch.bfloat16)
             tmoe.fused_experts(x, w1, w2, w, ids.int())
             direct = tmoe.fused_experts(x, w1, w2, w, ids.int())
             assert torch.equal(direct, via_triton)
-    assert launch_mod.direct_call_count() >= 2
+    assert state.direct_call_count() >= 2
 
 
 def _counting_static(monkeypatch):
@@ -194,7 +194,7 @@ def test_layer_replays_its_launches_without_launcher_keys(monkeypatch, device):
     check(m + 1)
     assert calls
     calls.clear()
-    launch_mod.clear_launch_caches()  # recorded sequences are dropped with the plans
+    state.clear_launch_caches()  # recorded sequences are dropped with the plans
     check(m + 1)
     assert calls
 

@@ -357,8 +357,9 @@ def test_asm_unpack_every_code(scheme, dtype, monkeypatch):
     against the reference on the dequantized weights, and bit-identical to the int32 path: any
     wrong code value, zero point, scale or lane order fails."""
     from tmoe.kernels import gemm_args
-    from tmoe.kernels.gemm_args import WeightScales, asm_unpack
-    from tmoe.kernels.launch import clear_launch_caches
+    from tmoe.kernels.gemm_args import asm_unpack
+    from tmoe.kernels.operands import WeightScales
+    from tmoe.runtime.state import clear_launch_caches
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the PTX unpacking needs sm_90")

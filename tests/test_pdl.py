@@ -7,9 +7,9 @@ import torch
 
 import tmoe
 from tmoe.config import config_state
-from tmoe.kernels import launch
-from tmoe.kernels.interpreter import INTERPRETED
-from tmoe.kernels.pdl import pdl_args, pdl_requested
+from tmoe.runtime import state
+from tmoe.runtime.interpreter import INTERPRETED
+from tmoe.runtime.pdl import pdl_args, pdl_requested
 from tmoe.reference import dequantize_fp8_reference, moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem
@@ -72,10 +72,10 @@ def test_pdl_only_on_a_hopper_gpu():
 def test_plans_are_kept_per_switch_state():
     """A planned launcher's body reads the switch: a plan made with PDL off is not replayed with it on."""
     p = make_problem(MoEShape(3, 4, 64, 64, 2), torch.float32, "uniform", seed=1, device=DEVICE)
-    launch.clear_launch_caches()
+    state.clear_launch_caches()
 
     def plans() -> int:
-        return sum(len(table) for table in launch._plan_tables)
+        return sum(len(table) for table in state.plan_tables)
 
     tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
     off = plans()

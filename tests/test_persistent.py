@@ -7,7 +7,8 @@ import torch
 
 import tmoe
 from tmoe.config import GemmConfig, MoEConfig, override_config, read_table, save_table
-from tmoe.kernels.gemm_args import INTERPRETER_PROGRAMS, persistent_epilogue_bytes, persistent_programs
+from tmoe.kernels.gemm_args import persistent_epilogue_bytes
+from tmoe.runtime.device import INTERPRETER_PROGRAMS, persistent_programs
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem

@@ -1,4 +1,4 @@
-"""Whole-call replay (``tmoe.kernels.replay``): from the third call of a layer signature on, the
+"""Whole-call replay (``tmoe.runtime.replay``): from the third call of a layer signature on, the
 recorded launches run again with the new call's tensors. Each variant is called four times with
 fresh inputs of the same shapes (new routing, new weights) and compared with the float32
 reference every time; the replay's fresh workspace is poisoned by conftest's torch.empty, so a
@@ -12,8 +12,8 @@ import triton.language as tl
 
 import tmoe
 from tmoe.config import override_route
-from tmoe.kernels import launch as launch_mod
-from tmoe.kernels.replay import CallReplay
+from tmoe.runtime import launch as launch_mod, state
+from tmoe.runtime.replay import CallReplay
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
@@ -161,7 +161,7 @@ def test_clearing_the_launch_caches_records_again(replays):
     for _ in range(3):
         replay.run((out, x), lambda: _composite(x, out))
     assert replays[0] == 1
-    launch_mod.clear_launch_caches()
+    state.clear_launch_caches()
     for _ in range(2):
         replay.run((out, x), lambda: _composite(x, out))
     assert replays[0] == 1 and replay.steps is not None  # planned and recorded afresh, not replayed

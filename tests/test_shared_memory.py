@@ -6,7 +6,8 @@ import tmoe
 import tmoe.kernels.moe_down_reduce
 import tmoe.kernels.moe_fused_decode
 import tmoe.kernels.moe_gemm
-from tmoe.kernels.gemm_args import EPILOGUE_MARGIN, SHARED_MEMORY_BUDGET, fit_shared_memory, shared_memory_budget
+from tmoe.kernels.gemm_args import fit_shared_memory
+from tmoe.runtime.device import EPILOGUE_MARGIN, SHARED_MEMORY_BUDGET, shared_memory_budget
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem

@@ -101,10 +101,10 @@ SCRIPT = textwrap.dedent("""
     # the PTX unpacking of packed 4-bit codes (a GPU picks it from its device; forced here): one-group
     # K steps in bf16 and fp16, and steps over two groups (bf16 mxfp4, bf16/fp16 int4 with zero points:
     # scales multiplied, zero points subtracted in the PTX)
-    from tmoe.kernels import gemm_args
-    from tmoe.kernels.launch import clear_launch_caches
+    from tmoe.kernels import gemm_args, operands
+    from tmoe.runtime.state import clear_launch_caches
     gemm_args.asm_unpack = lambda scales, a, config, tile_n: (
-        isinstance(scales, gemm_args.WeightScales) and scales.weight_dtype != "int8" and a.dtype != torch.float32)
+        isinstance(scales, operands.WeightScales) and scales.weight_dtype != "int8" and a.dtype != torch.float32)
     clear_launch_caches()
     unpacked = []
     for scheme, dtype, groups in (("int4", torch.bfloat16, 1), ("int4", torch.float16, 1), ("mxfp4", torch.bfloat16, 1),

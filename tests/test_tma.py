@@ -6,7 +6,8 @@ import torch
 
 import tmoe
 from tmoe.config import GemmConfig, MoEConfig, override_config
-from tmoe.kernels.gemm_args import Scales, uniform_w_scale, weight_descriptor
+from tmoe.kernels.gemm_args import uniform_w_scale, weight_descriptor
+from tmoe.kernels.operands import Scales
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem

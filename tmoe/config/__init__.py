@@ -15,9 +15,9 @@ import torch
 
 from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
 from tmoe.kernels.common import cdiv
-from tmoe.kernels.gemm_args import sm_count
+from tmoe.runtime.device import sm_count
 from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
-from tmoe.kernels.pdl import override_pdl, pdl_requested
+from tmoe.runtime.pdl import override_pdl, pdl_requested
 
 
 def _sms(device: torch.device) -> int:

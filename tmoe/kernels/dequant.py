@@ -1,4 +1,4 @@
-"""Jit helpers of the weight-only low-bit GEMMs (layouts: ``gemm_args.WeightScales``): the rows of
+"""Jit helpers of the weight-only low-bit GEMMs (layouts: ``operands.WeightScales``): the rows of
 a K step's B tile, the scales and zero points of a K step, values built from the codes' bits, and
 the dequantized dot of one K step.
 

@@ -11,7 +11,7 @@ and the intermediate never leaves registers; the launches of the aligned path (a
 down GEMM, top-k reduce) become two. Made for decode, where each slot has an expert of its own
 (a slot that shares its expert with another reads the weights again). Row 0 of the [16, ...]
 tiles is the token (the tensor cores take 16 rows; the others are masked). Low-bit weights
-(``gemm_args.WeightScales``) are dequantized in both GEMMs (``dequant.dequant_dot``; the down
+(``operands.WeightScales``) are dequantized in both GEMMs (``dequant.dequant_dot``; the down
 GEMM's K is the intermediate, so block j is one K step). Slots of out-of-range or remote experts
 compute nothing and are never read by the reduce. All offsets int64.
 """
@@ -26,11 +26,13 @@ from tmoe.kernels.common import (
     w1_rows_per_n,
 )
 from tmoe.kernels.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
-from tmoe.kernels.gemm_args import WeightScales, fit_shared_memory, scale_args, shared_memory_budget, weight_bytes
+from tmoe.kernels.gemm_args import fit_shared_memory, scale_args, weight_bytes
+from tmoe.kernels.operands import WeightScales
+from tmoe.runtime.device import shared_memory_budget
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
-from tmoe.kernels.plan import Launch, planned
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from tmoe.runtime.plan import Launch, planned
 
 
 @triton.jit

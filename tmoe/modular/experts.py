@@ -11,7 +11,7 @@ from tmoe.config import (
 )
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.common import w1_rows_per_n
-from tmoe.kernels.gemm_args import DirectRouting, Routing, Scales, WeightScales
+from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
 from tmoe.kernels.moe_gemm import invoke_moe_gemm

@@ -30,7 +30,7 @@ from tmoe.tools.peers import quantize_fp8
 from tmoe.config import GemmConfig, MoEConfig, config_file_name, device_name, read_table, save_table
 from tmoe.config.tables import SHIPPED_CONFIGS
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.gemm_args import Routing, Scales, WeightScales
+from tmoe.kernels.operands import Routing, Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.kernels.quant import per_token_group_quant_fp8, per_token_quant_fp8

@@ -3,9 +3,9 @@
 ``@planned`` is for a launcher whose kernel reads its arguments' tensors directly: the launcher's
 body (checks, tile fitting, strides, the kernel's keyword arguments) returns a ``Launch`` and runs
 once per static signature of the launcher's arguments; later calls only swap the tensors in and
-launch through the direct call of ``tmoe.kernels.launch``. ``LaunchSequence`` records the planned
+launch through the direct call of ``tmoe.runtime.launch``. ``LaunchSequence`` records the planned
 launches of a composite call (a layer call) so later calls with the same signature replay them
-without computing each launcher's key. The plan tables live in ``tmoe.kernels.launch``, so
+without computing each launcher's key. The plan tables live in ``tmoe.runtime.state``, so
 ``clear_launch_caches`` drops them with the kernels' signatures."""
 from __future__ import annotations
 
@@ -16,11 +16,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from tmoe.kernels import launch as launch_mod  # DIRECT_CALLS read per call: tests and tools/host_overhead switch it
-from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.launch import (MAX_SIGNATURES, _compile, _Compiled, _generation, _grid3, _hooked, _local, _plan_tables,
-                                 launch)
-from tmoe.kernels.pdl import pdl_requested
+from tmoe.runtime import state
+from tmoe.runtime.launch import Compiled, compile_launch, grid3, hooked, launch
+from tmoe.runtime.pdl import pdl_requested
 
 _Tensor = torch.Tensor
 
@@ -37,10 +35,10 @@ class Launch:
 
 def _leaves(args: tuple, kwargs: dict) -> list:
     """The arguments, dataclass arguments that carry tensors (routing, scales) replaced by their
-    type and fields (a GemmConfig is a plain hashable value)."""
+    type and fields (a value marked ``PLAN_AS_VALUE``, such as a tile config, is a plain hashable value)."""
     out = []
     for v in (*args, *kwargs.values()):
-        if hasattr(v, "__dataclass_fields__") and not isinstance(v, GemmConfig):
+        if hasattr(v, "__dataclass_fields__") and not getattr(v, "PLAN_AS_VALUE", False):
             out.append(type(v))
             out.extend(v.__dict__.values())
         else:
@@ -65,17 +63,17 @@ class _Plan:
         tensors = {name: v for name, v in launch_.kwargs.items() if isinstance(v, _Tensor)}
         if any(id(v) not in where for v in tensors.values()) or id(launch_.result) not in where:
             raise LookupError("a launch tensor is not one of the launcher's arguments")
-        self.kernel, self.grid, self.grid3 = launch_.kernel, launch_.grid, _grid3(launch_.grid)
+        self.kernel, self.grid, self.grid3 = launch_.kernel, launch_.grid, grid3(launch_.grid)
         self.names = tuple(tensors)
         self.static = {name: v for name, v in launch_.kwargs.items() if name not in tensors}
         self.slots = tuple(where[id(v)] for v in tensors.values())
         self.result_slot = where[id(launch_.result)]
-        self.compiled: dict[int, _Compiled] = {}  # device index -> compiled
+        self.compiled: dict[int, Compiled] = {}  # device index -> compiled
         self.template: list = []  # the kernel's parameters in order, tensors as placeholders
         self.positions: tuple[int, ...] = ()  # where each slot's tensor goes in the template
 
     def __call__(self, leaves: list) -> Any:
-        recorder = getattr(_local, "recorder", None)
+        recorder = state.recorder()
         if recorder is None:
             self._launch(leaves)
         else:
@@ -84,9 +82,9 @@ class _Plan:
                 entry.compiled = self._launch(leaves)
         return leaves[self.result_slot]
 
-    def _launch(self, leaves: list) -> _Compiled | None:
+    def _launch(self, leaves: list) -> Compiled | None:
         """Launch; the compiled kernel when it was called directly, None when through Triton."""
-        if not launch_mod.DIRECT_CALLS or _hooked():
+        if not state.DIRECT_CALLS or hooked():
             self.kernel[self.grid](**self.static, **{n: leaves[i] for n, i in zip(self.names, self.slots)})
             return None
         device = torch._C._cuda_getDevice()
@@ -103,7 +101,7 @@ class _Plan:
     def _first_launch(self, device: int, tensors: list) -> None:
         """Through Triton; keep the compiled kernel (unless it cannot be called directly)."""
         kwargs = {**dict(zip(self.names, tensors)), **self.static}
-        compiled = _compile(self.kernel, self.grid, (), kwargs)
+        compiled = compile_launch(self.kernel, self.grid, (), kwargs)
         if compiled is None:  # not directly callable: every launch goes through Triton
             return
         values = (*tensors, *self.static.values())
@@ -130,22 +128,22 @@ class LaunchSequence:
         self.steps: list[tuple[Callable, _Plan]] = []
         self.recorded = False
         self.valid = True
-        self.generation = _generation[0]
+        self.generation = state.generation()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        if self.generation != _generation[0]:  # the caches were cleared: record afresh
-            self.steps, self.recorded, self.valid, self.generation = [], False, True, _generation[0]
+        if self.generation != state.generation():  # the caches were cleared: record afresh
+            self.steps, self.recorded, self.valid, self.generation = [], False, True, state.generation()
         if not self.valid:
             yield
             return
-        prior = getattr(_local, "cursor", None)
+        prior = state.cursor()
         cursor = _Cursor(self, "replay" if self.recorded else "record")
-        _local.cursor = cursor
+        state.set_cursor(cursor)
         try:
             yield
         finally:
-            _local.cursor = prior
+            state.set_cursor(prior)
         if cursor.mode == "record":
             self.steps, self.recorded = cursor.steps, True
         elif cursor.mode == "replay" and cursor.index != len(self.steps):
@@ -184,12 +182,12 @@ def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
     arguments; a later call of the signature skips the body and launches with its own tensors.
     A body whose launch reads a tensor it made itself (not an argument) runs every call."""
     plans: dict[tuple, _Plan | None] = {}
-    _plan_tables.append(plans)
+    state.register_plans(plans)
 
     @functools.wraps(body)
     def launcher(*args: Any, **kwargs: Any) -> Any:
         leaves = _leaves(args, kwargs)
-        cursor = getattr(_local, "cursor", None)
+        cursor = state.cursor()
         mode = cursor.mode if cursor is not None else "off"
         if mode == "replay":
             plan = cursor.next_plan(launcher)
@@ -209,7 +207,7 @@ def planned(body: Callable[..., Launch | Any]) -> Callable[..., Any]:
                 if mode == "record":
                     cursor.record(launcher, None)
                 return launch_
-            if len(plans) >= MAX_SIGNATURES:
+            if len(plans) >= state.MAX_SIGNATURES:
                 plans.clear()
             plans[key] = plan
         if mode == "record":

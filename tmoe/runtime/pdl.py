@@ -24,7 +24,7 @@ from typing import Iterator
 import triton
 import triton.language as tl
 
-from tmoe.kernels.interpreter import INTERPRETED
+from tmoe.runtime.interpreter import INTERPRETED
 
 PDL_DEFAULT = os.environ.get("TMOE_PDL", "0") == "1"
 

@@ -9,31 +9,25 @@ every other argument's value (ints, floats, constexprs, launch options), the arg
 the current device. Equal signatures compile to the same kernel, so the direct call runs exactly
 what ``kernel[grid]`` would.
 
-This module also holds what the layers above share: the signature tables (``planned`` launchers
-of ``tmoe.kernels.plan`` register theirs here), ``clear_launch_caches``, the generation counter
-that drops recorded sequences and replays, and the thread-local state through which a recording
-``CallReplay`` (``tmoe.kernels.replay``) sees each launch.
+The signature tables, the direct-call switch and the recording hooks live in
+``tmoe.runtime.state``.
 
 Triton's own path is kept under the interpreter, without a CUDA device, with a launch hook
 installed (profilers), and for tensor-descriptor arguments (the caller launches those itself)."""
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tmoe.kernels.interpreter import INTERPRETED
+from tmoe.runtime import state
 
-# compiled kernels are called directly only where they run: a CUDA device, not the interpreter
-DIRECT_CALLS = not INTERPRETED and torch.cuda.is_available()
-MAX_SIGNATURES = 4096  # per kernel or launcher; the table is cleared when it fills (keys hold no tensors)
 _Tensor = torch.Tensor
 
 
-class _Compiled:
+class Compiled:
     """A compiled kernel and where each of its parameters sits in a call's values."""
 
     __slots__ = ("run", "function", "metadata", "order")
@@ -57,16 +51,16 @@ def _hook_set(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _hooked() -> bool:
+def hooked() -> bool:
     rt = triton.knobs.runtime
     return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
 
 
-def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
+def grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
     return (grid + (1, 1))[:3] if len(grid) < 3 else grid
 
 
-def _compile(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> _Compiled | None:
+def compile_launch(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> Compiled | None:
     """Launch through Triton (compiling if needed); the compiled kernel for direct calls, or None
     when a parameter was left to its default."""
     ran = kernel[grid](*args, **kwargs)
@@ -75,36 +69,13 @@ def _compile(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> _
     position.update({name: i for i, name in enumerate(names[: len(args)])})
     if ran is None or any(name not in position for name in names):
         return None
-    return _Compiled(ran, tuple(position[name] for name in names))
-
-
-_tables: dict[int, dict[tuple, _Compiled | None]] = {}  # id(kernel) -> signature -> compiled
-_plan_tables: list[dict] = []  # each @planned launcher's plans (tmoe.kernels.plan)
-_local = threading.local()  # .cursor: the active LaunchSequence's (plan.py); .recorder: a recording CallReplay's (replay.py)
-
-
-_generation = [0]  # bumped by clear_launch_caches: recorded launch sequences are recorded again
-
-
-def clear_launch_caches() -> None:
-    """Forget every signature seen: the next launches go through Triton again (tests)."""
-    _tables.clear()
-    for plans in _plan_tables:
-        plans.clear()
-    _generation[0] += 1
-
-
-def direct_call_count() -> int:
-    """How many signatures (launch and planned) have a compiled kernel for direct calls."""
-    plans = [p for table in _plan_tables for p in table.values()]
-    return (sum(c is not None for t in _tables.values() for c in t.values())
-            + sum(len(p.compiled) for p in plans))
+    return Compiled(ran, tuple(position[name] for name in names))
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
     """``kernel[grid](*args, **kwargs)`` (``grid`` a tuple of up to three ints), with the direct
     call of the compiled kernel once this argument signature has been launched."""
-    recorder = getattr(_local, "recorder", None)
+    recorder = state.recorder()
     if recorder is None:
         _launch(kernel, grid, args, kwargs)
         return
@@ -125,20 +96,20 @@ def _key_of(v: Any) -> Any:
     return v
 
 
-def _launch(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> _Compiled | None:
+def _launch(kernel: Any, grid: tuple[int, ...], args: tuple, kwargs: dict) -> Compiled | None:
     """Launch; the compiled kernel when it was called directly, None when through Triton."""
-    if not DIRECT_CALLS or _hooked():
+    if not state.DIRECT_CALLS or hooked():
         kernel[grid](*args, **kwargs)
         return None
     values = args + tuple(kwargs.values())
     device = torch._C._cuda_getDevice()
-    table = _tables.setdefault(id(kernel), {})
+    table = state.kernel_tables.setdefault(id(kernel), {})
     key = (device, tuple(kwargs), tuple(_key_of(v) for v in values))
     compiled = table.get(key)
     if compiled is None:
-        if len(table) >= MAX_SIGNATURES:
+        if len(table) >= state.MAX_SIGNATURES:
             table.clear()
-        table[key] = _compile(kernel, grid, args, kwargs)
+        table[key] = compile_launch(kernel, grid, args, kwargs)
         return None
-    compiled(_grid3(grid), device, values)
+    compiled(grid3(grid), device, values)
     return compiled

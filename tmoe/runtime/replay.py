@@ -2,7 +2,7 @@
 signature records them once and later calls only launch them again with their own tensors.
 
 ``CallReplay.run(inputs, body)``: the first call of a signature runs ``body`` plainly; the second
-runs it while recording every launch (``tmoe.kernels.launch`` and ``tmoe.kernels.plan`` report
+runs it while recording every launch (``tmoe.runtime.launch`` and ``tmoe.runtime.plan`` report
 each one) and every torch operation (a ``TorchDispatchMode``); from the third on, when the
 recording is sound, the launches are replayed without running ``body``. A recording is sound
 when the call's device work was Triton launches only (torch operations other than allocations and
@@ -31,7 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from tmoe.kernels import launch as _launch
+from tmoe.runtime import state
+from tmoe.runtime.launch import grid3, hooked
 
 RECORD_ATTEMPTS = 3  # recordings tried per signature before it keeps the plain path
 _ALIGN = 256
@@ -86,7 +87,7 @@ class _Recorder:
 def not_recorded() -> Iterator[None]:
     """Torch operations in the block are not part of a recorded call (``tmoe.testing.poison``,
     which stands in for an allocation)."""
-    if getattr(_launch._local, "recorder", None) is None:
+    if state.recorder() is None:
         yield
         return
     with _disable_current_modes():
@@ -100,7 +101,7 @@ class _Step:
     __slots__ = ("kernel", "grid", "grid3", "compiled", "names", "template", "sources")
 
     def __init__(self, launched: _Launched, sources: dict[str, tuple]) -> None:
-        self.kernel, self.grid, self.grid3 = launched.kernel, launched.grid, _launch._grid3(launched.grid)
+        self.kernel, self.grid, self.grid3 = launched.kernel, launched.grid, grid3(launched.grid)
         self.compiled = launched.compiled
         self.names = tuple(launched.kernel.arg_names) if self.compiled is not None else tuple(launched.kwargs)
         self.template = [None if n in sources else launched.kwargs[n] for n in self.names]
@@ -110,7 +111,7 @@ class _Step:
 def _capturing() -> bool:
     """A CUDA graph is being captured: the call runs plainly (its host time is paid once) and
     nothing recorded holds memory of the graph's pool."""
-    return _launch.DIRECT_CALLS and torch.cuda.is_current_stream_capturing()
+    return state.DIRECT_CALLS and torch.cuda.is_current_stream_capturing()
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -151,30 +152,30 @@ class CallReplay:
 
     def __init__(self) -> None:
         self.calls, self.attempts, self.steps = 0, 0, None
-        self.arena_bytes, self.device, self.keep, self.generation = 0, None, [], _launch._generation[0]
+        self.arena_bytes, self.device, self.keep, self.generation = 0, None, [], state.generation()
 
     def run(self, inputs: tuple, body: Callable[[], Any]) -> Any:
         """``body()`` (which launches the call's kernels and returns ``inputs[0]``), or its replay.
         ``inputs``: the call's tensors (None allowed), the output first."""
-        if self.generation != _launch._generation[0]:
+        if self.generation != state.generation():
             self.calls, self.attempts, self.steps, self.keep = 0, 0, None, []
-            self.generation = _launch._generation[0]
-        if _launch._hooked() or _capturing():
+            self.generation = state.generation()
+        if hooked() or _capturing():
             return body()
         if self.steps is not None and self._on_device():
             self._replay(inputs)
             return inputs[0]
         self.calls += 1
-        if self.calls < 2 or self.attempts >= RECORD_ATTEMPTS or getattr(_launch._local, "recorder", None) is not None:
+        if self.calls < 2 or self.attempts >= RECORD_ATTEMPTS or state.recorder() is not None:
             return body()
         self.attempts += 1
         recorder = _Recorder()
-        _launch._local.recorder = recorder
+        state.set_recorder(recorder)
         try:
             with recorder.check:
                 result = body()
         finally:
-            _launch._local.recorder = None
+            state.set_recorder(None)
         if not recorder.check.other:
             self._build(inputs, recorder.launches, recorder.check.allocated)
         return result
@@ -184,7 +185,7 @@ class CallReplay:
 
     def _build(self, inputs: tuple, launches: list[_Launched], allocated: set[int]) -> None:
         """Turn a recording into steps, or leave ``steps`` None when it cannot be replayed."""
-        direct = _launch.DIRECT_CALLS
+        direct = state.DIRECT_CALLS
         if not launches or any((e.compiled is None) == direct for e in launches):
             return
         spans = [(t.data_ptr(), t.data_ptr() + _extent(t), i) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
@@ -236,7 +237,7 @@ class CallReplay:
     def _replay(self, inputs: tuple) -> None:
         first = next(t for t in inputs if isinstance(t, torch.Tensor))
         arena = torch.empty(self.arena_bytes, dtype=torch.uint8, device=first.device)
-        if _launch.DIRECT_CALLS:
+        if state.DIRECT_CALLS:
             self._launch_direct(inputs, arena)
         else:
             self._launch_triton(inputs, arena)
