@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
-from tmoe.kernels.common import cdiv
+from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.device import sm_count
 from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
 from tmoe.runtime.pdl import override_pdl, pdl_requested

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
-from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
+from tmoe.kernels.sizes import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait

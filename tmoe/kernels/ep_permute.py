@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.checks import check_shape, check_tensor
-from tmoe.kernels.common import cdiv, next_power_of_2
+from tmoe.kernels.sizes import cdiv, next_power_of_2
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 

@@ -9,7 +9,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels.checks import check_tensor
-from tmoe.kernels.common import cdiv
+from tmoe.kernels.sizes import cdiv
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.operands import Scales, WeightScales, codes_per_byte
 from tmoe.runtime.device import EPILOGUE_MARGIN, SHARED_MEMORY_BUDGET, is_sm90

@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
-from tmoe.kernels.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
+from tmoe.kernels._details.common import local_expert
+from tmoe.kernels.sizes import cdiv, next_power_of_2
+from tmoe.kernels._details.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
 from tmoe.kernels.gemm_args import fit_shared_memory, fit_low_bit, scale_args, weight_bytes
 from tmoe.kernels.operands import Scales, WeightScales
 from tmoe.runtime.device import shared_memory_budget

@@ -21,11 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels.common import (
-    act_and_mul, act_no_mul, activation_params, cdiv, local_expert, moe_tile_matmul, next_power_of_2, w1_columns,
-    w1_rows_per_n,
-)
-from tmoe.kernels.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
+from tmoe.kernels._details.common import act_and_mul, act_no_mul, local_expert, w1_columns
+from tmoe.kernels._details.tile_matmul import moe_tile_matmul
+from tmoe.kernels.activation import activation_params, w1_rows_per_n
+from tmoe.kernels.sizes import cdiv, next_power_of_2
+from tmoe.kernels._details.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
 from tmoe.kernels.gemm_args import fit_shared_memory, scale_args, weight_bytes
 from tmoe.kernels.operands import WeightScales
 from tmoe.runtime.device import shared_memory_budget

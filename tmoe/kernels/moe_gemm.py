@@ -18,12 +18,12 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.common import (
-    activation_params, cdiv, local_expert, moe_tile_matmul, moe_tile_matmul_tma, tile_ids, w1_columns,
-    w1_rows_per_n,
-)
-from tmoe.kernels.dequant import b_rows, zero_point_rows
-from tmoe.kernels.gemm_epilogue import moe_epilogue
+from tmoe.kernels._details.common import local_expert, w1_columns
+from tmoe.kernels._details.tile_matmul import moe_tile_matmul, moe_tile_matmul_tma, tile_ids
+from tmoe.kernels.activation import activation_params, w1_rows_per_n
+from tmoe.kernels.sizes import cdiv
+from tmoe.kernels._details.dequant import b_rows, zero_point_rows
+from tmoe.kernels._details.gemm_epilogue import moe_epilogue
 from tmoe.kernels.gemm_args import (
     fit_shared_memory, fit_low_bit, scale_args, persistent_epilogue_bytes, uniform_w_scale, weight_bytes,
     weight_descriptor,

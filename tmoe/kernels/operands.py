@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import cdiv
+from tmoe.kernels.sizes import cdiv
 
 
 @dataclass(frozen=True)

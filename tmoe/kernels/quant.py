@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
-from tmoe.kernels.common import abs_no_nan, cdiv, fp8_scale, next_power_of_2, to_fp8
+from tmoe.kernels._details.common import abs_no_nan, fp8_scale, to_fp8
+from tmoe.kernels.sizes import cdiv, next_power_of_2
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait

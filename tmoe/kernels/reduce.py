@@ -6,7 +6,8 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import cdiv, check_num_local_experts, local_expert, next_power_of_2
+from tmoe.kernels._details.common import local_expert
+from tmoe.kernels.sizes import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from tmoe.runtime.plan import Launch, planned

@@ -8,7 +8,7 @@ import math
 import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import ACTIVATIONS, w1_rows_per_n
+from tmoe.kernels.activation import ACTIVATIONS, w1_rows_per_n
 from tmoe.kernels.operands import check_low_bit_operand, codes_per_byte
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig

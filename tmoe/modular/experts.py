@@ -10,7 +10,7 @@ from tmoe.config import (
     GemmConfig, direct_down_config, fused_decode_config, get_config, use_direct_route, use_fused_route, use_slot_route,
 )
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.common import w1_rows_per_n
+from tmoe.kernels.activation import w1_rows_per_n
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce

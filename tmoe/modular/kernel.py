@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from tmoe.kernels.common import w1_rows_per_n
+from tmoe.kernels.activation import w1_rows_per_n
 from tmoe.config import config_state
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.plan import LaunchSequence

@@ -10,7 +10,8 @@ import torch
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
-from tmoe.kernels.common import cdiv, w1_rows_per_n
+from tmoe.kernels.activation import w1_rows_per_n
+from tmoe.kernels.sizes import cdiv
 from tmoe.kernels.operands import Routing, Scales, WeightScales, check_gemm_operands, check_low_bit_operand
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.modular.checks import check_activation

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels.common import abs_no_nan, act_and_mul, act_no_mul, fp8_scale, to_fp8
+from tmoe.kernels._details.common import abs_no_nan, act_and_mul, act_no_mul, fp8_scale, to_fp8
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 

@@ -1,85 +1,8 @@
-"""Jit helpers shared by the stage kernels: activations, tile ordering, the MoE tile matmuls
-(pointer loads, and TMA loads of the weights), fp8 rounding."""
+"""Jit helpers: the grouped tile order and the MoE tile matmuls (pointer loads, and TMA loads of the weights)."""
 import triton
 import triton.language as tl
 
-from tmoe.kernels.dequant import b_rows, dequant_dot, oriented_dot
-
-GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")  # act(gate) * up: W1 has 2N rows
-NO_MUL_ACTIVATIONS = ("silu_no_mul", "gelu_no_mul", "relu2_no_mul")  # act(h): W1 has N rows
-ACTIVATIONS = GATED_ACTIVATIONS + NO_MUL_ACTIVATIONS
-SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # GPT-OSS's defaults
-
-
-def w1_rows_per_n(activation: str) -> int:
-    """Rows of W1 per intermediate column: 2 (gate and up) for a gated activation, 1 for *_no_mul."""
-    return 1 if activation in NO_MUL_ACTIVATIONS else 2
-
-
-def activation_params(activation: str, alpha: float | None, limit: float | None) -> tuple[float, float, bool]:
-    """(alpha, limit, clamp) as the kernels take them: the runtime floats (swigluoai's default
-    1.702 and 7.0 for None) and whether the epilogue clamps (swigluoai always; silu with a limit)."""
-    if activation == "swigluoai":
-        return (SWIGLUOAI_ALPHA if alpha is None else float(alpha),
-                SWIGLUOAI_LIMIT if limit is None else float(limit), True)
-    return 1.0, 0.0 if limit is None else float(limit), limit is not None
-
-
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def act_and_mul(gate, up, alpha, limit, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr):
-    """``act(gate) * up`` in float32; gate and up are [BM, BN] float32 tiles; ``alpha`` and
-    ``limit`` runtime floats. CLAMP with silu: min(silu(gate), limit) * clamp(up, -limit, limit)."""
-    if ACTIVATION == "silu":
-        out = gate * _sigmoid(gate)
-        if CLAMP:
-            out = tl.minimum(out, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-        out = out * up
-    elif ACTIVATION == "gelu":
-        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
-    elif ACTIVATION == "gelu_tanh":
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        out = 0.5 * gate * (1.0 + (2.0 * _sigmoid(2.0 * inner) - 1.0)) * up
-    else:  # swigluoai (GPT-OSS): gate <= limit, up in [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        out = gate * _sigmoid(alpha * gate) * (up + 1.0)
-    return out
-
-
-@triton.jit
-def act_no_mul(h, ACTIVATION: tl.constexpr):
-    """``act(h)`` in float32 for the non-gated activations; h is a [BM, BN] float32 tile."""
-    if ACTIVATION == "silu_no_mul":
-        out = h * _sigmoid(h)
-    elif ACTIVATION == "gelu_no_mul":
-        out = 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
-    else:  # relu2_no_mul: relu(h)^2
-        r = tl.maximum(h, 0.0)
-        out = r * r
-    return out
-
-
-@triton.jit
-def w1_columns(pid_n, N, BLOCK_N: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """(W1 rows [BN] int64, their mask) of up-GEMM column block ``pid_n``; MUL: [2BN], tile column
-    2j the gate row of n_j, 2j + 1 its up row (N + n_j; INTERLEAVED: W1 rows 2 n_j and 2 n_j + 1)."""
-    if MUL:
-        offs_c = tl.arange(0, 2 * BLOCK_N)
-        if INTERLEAVED:
-            w_cols = pid_n.to(tl.int64) * 2 * BLOCK_N + offs_c  # [2BN]
-        else:
-            w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
-        mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
-    else:
-        w_cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-        mask_c = w_cols < N
-    return w_cols, mask_c
+from tmoe.kernels._details.dequant import b_rows, dequant_dot, oriented_dot
 
 
 @triton.jit
@@ -92,24 +15,6 @@ def tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
     pid_n = (pid % num_pid_in_group) // group_size_m
     return pid_m, pid_n
-
-
-@triton.jit
-def local_expert(topk_ids_ptr, expert_map_ptr, slot, num_experts, num_local_experts, HAS_MAP: tl.constexpr,
-                 mask=None):
-    """The local expert (int64) of ``slot`` (a scalar or a vector of slots, ``mask`` marking the
-    real ones): topk_ids[slot], mapped through expert_map when HAS_MAP; -1 when the id is
-    outside [0, num_experts), the mapped id outside [0, num_local_experts) (remote, or a bad
-    map entry), or the slot is masked."""
-    if mask is None:
-        expert = tl.load(topk_ids_ptr + slot).to(tl.int64)
-    else:
-        expert = tl.load(topk_ids_ptr + slot, mask=mask, other=-1).to(tl.int64)
-    valid = (expert >= 0) & (expert < num_experts)
-    if HAS_MAP:
-        expert = tl.load(expert_map_ptr + expert, mask=valid, other=-1).to(tl.int64)
-        valid &= (expert >= 0) & (expert < num_local_experts)
-    return tl.where(valid, expert, -1)
 
 
 @triton.jit
@@ -267,48 +172,3 @@ def moe_tile_matmul_tma(
         if TWO_TILES:
             acc_1 = acc_1 * a_s[:, None] * tl.load(w_scale_ptr + rows_1 * stride_wsn, mask=rows_1 < n_w, other=0.0)[None, :]
     return acc_0, acc_1
-
-
-@triton.jit
-def abs_no_nan(x):
-    """|x| with NaN -> 0, so a NaN element does not set its group's scale."""
-    return tl.where(x != x, 0.0, tl.abs(x))
-
-
-@triton.jit
-def fp8_scale(absmax, eps, FP8_MAX: tl.constexpr, USE_UE8M0: tl.constexpr):
-    """max(absmax, eps) / FP8_MAX (IEEE); USE_UE8M0: rounded up to a power of two on the exponent bits."""
-    absmax = tl.maximum(absmax, eps)
-    scale = tl.div_rn(absmax, tl.full(absmax.shape, FP8_MAX, tl.float32))
-    if USE_UE8M0:
-        bits = scale.to(tl.int32, bitcast=True)
-        carry = tl.where((bits & 0x7FFFFF) != 0, 0x800000, 0)
-        scale = ((bits & 0x7F800000) + carry).to(tl.float32, bitcast=True)
-    return scale
-
-
-@triton.jit
-def to_fp8(x, scale, FP8_MAX: tl.constexpr):
-    """clamp(x / scale, ±FP8_MAX) in float32, x and scale of one shape; NaN stays NaN."""
-    q = tl.div_rn(x, scale)
-    return tl.where(q != q, q, tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
-
-
-def cdiv(a: int, b: int) -> int:
-    """Host-side ceil(a / b); ``triton.cdiv`` is a constexpr function, slow to call from Python."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """Host-side smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def check_num_local_experts(num_local_experts: int | None, expert_map: object, num_experts: int) -> int:
-    """The bound on mapped expert ids: ``num_local_experts``, required with an ``expert_map``;
-    without one, ids are local ids and the bound is ``num_experts``."""
-    if expert_map is None:
-        return num_experts
-    if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or num_local_experts < 0:
-        raise ValueError(f"expert_map needs num_local_experts, a non-negative int; got {num_local_experts!r}")
-    return num_local_experts
