@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from tmoe.tools import bench as bm
-from tmoe.tools import peers, results, timing
+from tmoe.tools import inputs, peers, results, timing
 from tmoe.reference import moe_reference
 from tmoe.testing.tolerance import rel_error
 
 # E=4, N=8, K=16, topk=2 at M=3 with 3 experts touched, by hand: weights 3 experts * 3NK = 1152
 # elements, activations 2 * M * K = 96 elements, so 2496 bf16 bytes; flops 2 * M * topk * 3NK = 4608.
-SMALL = bm.Shape("small", e=4, n=8, k=16, topk=2)
+SMALL = inputs.Shape("small", e=4, n=8, k=16, topk=2)
 
 
 def test_layer_traffic_by_hand():
@@ -46,8 +46,8 @@ def test_count_touched():
 
 
 def test_real_shapes():
-    assert bm.SHAPES["deepseek"].max_m == 4096
-    mixtral_bytes, _ = bm.layer_traffic(bm.SHAPES["mixtral"], m=1, touched=2)
+    assert inputs.SHAPES["deepseek"].max_m == 4096
+    mixtral_bytes, _ = bm.layer_traffic(inputs.SHAPES["mixtral"], m=1, touched=2)
     assert mixtral_bytes == 2 * 3 * 14336 * 4096 * 2 + 2 * 4096 * 2  # two experts, ~704 MB
 
 
@@ -145,7 +145,7 @@ def test_bf16_providers_select_by_name():
 
 
 def test_failing_provider_reports_the_error_type():
-    p = peers.Provider("tmoe", peers.failing(ImportError("no quant module")))
+    p = inputs.Provider("tmoe", peers.failing(ImportError("no quant module")))
     assert bm.guarded(lambda: p.fn(None)) == "ImportError"
 
 
@@ -181,7 +181,7 @@ def test_scaled_grouped_mm_peer_matches_reference(monkeypatch, mode, m, e, topk)
         ids[ids == e - 1] = 0  # leave the last expert empty
     (peer,) = peers.providers(mode, w1, w2, ("scaled_grouped_mm", "grouped_mm", "loop"))
     assert peer.name == "scaled_grouped_mm" and not peer.syncs
-    out = peer.fn(peers.RoutedInputs(x, weights, ids))
+    out = peer.fn(inputs.RoutedInputs(x, weights, ids))
     (w1q, s1), (w2q, s2) = (peers.quantize_fp8(w, "fp8_token") for w in (w1, w2))
     ref = moe_reference(x.float(), w1q.float() * s1, w2q.float() * s2, weights, ids)  # on the dequantized weights
     assert out.dtype == torch.bfloat16 and out.shape == (m, k)
@@ -200,8 +200,8 @@ def test_with_routes_forces_the_path_inside_the_call():
     import tmoe.config
 
     seen = []
-    probe = peers.Provider("tmoe", lambda r: seen.append(tmoe.config.use_direct_route(4096, 8)))
-    other = peers.Provider("grouped_mm", lambda r: None)
+    probe = inputs.Provider("tmoe", lambda r: seen.append(tmoe.config.use_direct_route(4096, 8)))
+    other = inputs.Provider("grouped_mm", lambda r: None)
     out = peers.with_routes([probe, other], ("auto", "sorted", "direct"))
     assert [p.name for p in out] == ["tmoe", "tmoe[sorted]", "tmoe[direct]", "grouped_mm"]
     for p in out[:3]:
@@ -254,7 +254,7 @@ def test_low_bit_floor_counts_the_scheme_bytes():
 @pytest.mark.parametrize("dtype", ["int4", "int8", "mxfp4"])
 def test_low_bit_providers_match_reference(dtype):
     from tmoe.tools.low_bit import low_bit_providers
-    from tmoe.tools.peers import RoutedInputs
+    from tmoe.tools.inputs import RoutedInputs
 
     e, n, k, m, topk = 4, 32, 128, 3, 2
     w1, w2 = torch.randn(e, 2 * n, k) / k**0.5, torch.randn(e, k, n) / n**0.5
@@ -287,7 +287,7 @@ def test_fp8_stage_calls_chain_to_the_layer(mode):
     w1, w2 = torch.randn(e, 2 * n, k) / k**0.5, torch.randn(e, k, n) / n**0.5
     (w1q, s1), (w2q, s2) = peers.quantize_fp8(w1.bfloat16(), mode), peers.quantize_fp8(w2.bfloat16(), mode)
     weights, ids = torch.topk(torch.randn(m, e).softmax(-1), topk)
-    r = peers.RoutedInputs(torch.randn(m, k, dtype=torch.bfloat16), weights, ids.int())
+    r = inputs.RoutedInputs(torch.randn(m, k, dtype=torch.bfloat16), weights, ids.int())
     calls = peers.stage_calls(w1q, w2q, [r], 16, mode, s1, s2)
     assert tuple(calls) == peers.FP8_STAGES and all(len(c) == 1 for c in calls.values())
     out = calls["reduce"][0]()
