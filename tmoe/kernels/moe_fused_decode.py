@@ -188,8 +188,7 @@ def _weight_args(i: int, scales: WeightScales | None, x: torch.Tensor, w: torch.
             "GROUP_K": a["GROUP_K"], "QUANT": a["QUANT"], "HAS_ZP": a["HAS_ZP"]}
 
 
-# output columns per down-GEMM step: on the H200 256 beat 128 at block_n 64 and 128, and 512 at 64
-# (bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log, probe2: DOWN_TILE = block_n x step)
+# output columns per down-GEMM step: 256 beat 128 and 512 at the block_n the fused route takes
 DOWN_STEP = 256
 
 

@@ -2,8 +2,8 @@
 
 ``launch(kernel, grid, *args, **kwargs)`` is ``kernel[grid](*args, **kwargs)``, but after the first
 launch of an argument signature it calls the compiled kernel directly, skipping Triton's per-call
-binding, specialization and cache-key string (measured on the H200 host, Triton 3.6, a 61-argument
-GEMM: 62 µs through ``kernel[grid]``, 12 µs for the direct call). The signature is what Triton
+binding, specialization and cache-key string (a 61-argument GEMM: tens of µs through
+``kernel[grid]``, a fifth of it for the direct call; docs/runtime.md). The signature is what Triton
 specializes on, taken exactly: each tensor's dtype and whether its address is 16-byte aligned,
 every other argument's value (ints, floats, constexprs, launch options), the argument names and
 the current device. Equal signatures compile to the same kernel, so the direct call runs exactly

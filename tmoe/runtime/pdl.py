@@ -6,10 +6,8 @@ in the stream has called ``gdc_launch_dependents`` or exited (Hopper and later).
 kernel (``USE_PDL``) calls ``pdl_wait`` (``gdc_wait``: the previous kernel has finished, its
 writes visible) at its start, before it reads or writes anything, and ``pdl_launch_dependents``
 after its main loop (the GEMMs: after the K loop, before the epilogue), so the next kernel's
-programs become resident only while this one drains and take no SM slots from its later waves.
-(Triggering right after the wait instead was up to 54% slower on the H200 where grids run
-several waves; prefetching the down GEMMs' first weight tiles into L2 before the wait changed
-nothing measurable; both were dropped.)
+programs become resident only while this one drains and take no SM slots from its later waves
+(triggering right after the wait was slower where grids run several waves: docs/runtime.md).
 
 Off by default (``TMOE_PDL=1`` in the environment at import turns it on); ``override_pdl``
 switches it for a block. Never on under the interpreter or below compute capability 9.

@@ -42,9 +42,8 @@ SMALL_TILES = [(32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3
                (128, 64, 4, 5), (16, 256, 4, 3), (32, 128, 2, 5)]
 LARGE_TILES = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3),
                (64, 128, 4, 3), (128, 64, 8, 5), (256, 64, 8, 4),
-               # three stages of 96 KB at block_m 128 (up: 64 gate + 64 up rows; down: 128 rows), so two
-               # programs share an SM and one's loads overlap the other's MMAs: the one-program tiles'
-               # times at the ridge came out near the sum of weight streaming and math (H200, 0f6e3ab)
+               # three stages of 96 KB at block_m 128, so two programs share an SM and one's loads
+               # overlap the other's MMAs
                (64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 4, 3)]
 # fp8: a K tile of 128 bytes or more; block quantization caps block_k at the 128 group
 FP8_SMALL_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 4, 4), (32, 256, 4, 3),
@@ -82,8 +81,7 @@ def candidates(block_m: int, gated: bool, quant: str = "none",
     """Tile configs to time; ``tma`` None: pointer loads, and TMA weight tiles too from block_m 64
     (on smaller tiles TMA was within 1% in the H200 retune), and for fp8 below block_m 64 the
     ``swap_ab`` pointer tiles (block_n >= 64) too: there the plain tiles compile to mma.sync with
-    every fp8 weight converted to fp16 first, swap_ab ones to wgmma on fp8
-    (bench/results/2026-12-04_fp8_swap_ptx_sm90.log)."""
+    every fp8 weight converted to fp16 first, swap_ab ones to wgmma on fp8."""
     if quant in LOW_BIT:  # each tile, and with block_k capped at the group (one scale per K step); no TMA
         tiles = (SMALL_TILES + LOW_BIT_SMALL_TILES) if block_m <= 32 else (LARGE_TILES + LOW_BIT_LARGE_TILES)
         tiles = sorted(set(tiles) | {(bn, min(bk, LOW_BIT[quant]), w, s) for bn, bk, w, s in tiles})
