@@ -266,6 +266,6 @@ def test_batched_local_experts_must_match_weights():
     with pytest.raises(ValueError, match=r"num_local_experts=2.*4 experts"):
         kernel(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(_WRONG_EXPERTS)], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, f"returncode {run.returncode}\n{run.stderr[-2000:]}"
     assert "ValueError:" in run.stdout and "num_local_experts=2" in run.stdout, run.stdout + run.stderr[-2000:]

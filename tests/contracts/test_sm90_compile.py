@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = (
     "_align_count_kernel _align_scan_kernel _align_scatter_kernel _align_single_kernel _align_sort_kernel "
     "_batched_dispatch_kernel "

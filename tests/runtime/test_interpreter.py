@@ -20,7 +20,7 @@ from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="workarounds for Triton's CPU interpreter")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @triton.jit

@@ -17,8 +17,8 @@ from tmoe.runtime.replay import CallReplay
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
-from test_fp8_layer import SCHEMES, run_scheme
-from test_low_bit import CASES, run_case
+from tests.layer.test_fp8_layer import SCHEMES, run_scheme
+from tests.layer.test_low_bit import CASES, run_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CALLS = 4

@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 
 
 def test_tiny_mixtral_example_runs():
-    path = Path(__file__).parent.parent / "examples" / "tiny_mixtral.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "tiny_mixtral.py"
     spec = importlib.util.spec_from_file_location("tiny_mixtral", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

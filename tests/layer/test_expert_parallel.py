@@ -343,25 +343,6 @@ def test_ep_permute_against_torch(to_batch):
     assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out[~out.isnan()], want[~want.isnan()])
 
 
-def test_bench_ep_payload_by_hand():
-    from tmoe.tools.bench_ep import Result, capacity_for, markdown, payload
-
-    assert capacity_for(64, 128, 8, 2.0) == 8 and capacity_for(1, 256, 8, 2.0) == 1 and capacity_for(4, 2, 2, 2.0) == 4
-    # all-gather over 4 ranks: 4 ranks' 10 tokens of 16 bf16 + 2 ids and weights; fp32 partial sums back
-    assert payload("allgather", 10, 8, 16, 2, 4, 0, 2, 0) == (4 * 10 * (32 + 16), 4 * 10 * 16 * 4)
-    # all-to-all, E=8, C=3: the (8, 3, 16) fp8 buffer + its 2 scale columns + 8 counts; bf16 outputs back
-    assert payload("alltoall", 10, 8, 16, 2, 4, 3, 1, 2) == (8 * 3 * (16 + 8) + 32, 8 * 3 * 32)
-    row = Result("s", 10, "alltoall", 4, 9.0, 2.0, 4.0, 2e6, 4e6, 1)
-    cells = markdown([row], link_gbps=1000.0).splitlines()[2].split(" | ")
-    assert cells[6:10] == ["2.000", "4.000", "750.0 (75%)", "750.0 (75%)"]  # 3/4 of 2 MB in 2 µs
-
-
-def test_bench_ep_runs_at_world_size_1(capsys):
-    from tmoe.tools.bench_ep import main
-
-    assert main(["--shapes", "tiny", "--ms", "3", "--iters", "1", "--warmup", "0", "--world-size", "1"]) == 0
-
-
 def test_no_process_group_is_a_clear_error():
     """Without init_process_group (this process has none) the default group is refused by name."""
     import tmoe
@@ -374,3 +355,43 @@ def test_no_process_group_is_a_clear_error():
             make()
     with pytest.raises(ValueError, match="mode must be one of"):  # the value's own checks come first
         tmoe.ExpertParallel(mode="ring", max_tokens_per_rank=4)
+
+
+# all-gather over 2 ranks with chunking and out-of-range ids, each rank its own tokens and experts
+ALL_GATHER_WORLD = 2
+
+
+def _all_gather_rank_main(rank: int, init_file: str, chunk_size: int, routing: str) -> None:
+    import tmoe
+    from tmoe.modular import AllGatherPrepareAndFinalize
+    from tmoe.reference import moe_reference
+    from tmoe.testing import assert_close
+    from tmoe.testing.strategies import MoEShape, make_problem
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= ALL_GATHER_WORLD
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=ALL_GATHER_WORLD)
+    try:
+        e_global, m_local = 8, 6
+        # every rank draws the same global problem, then takes its tokens and its experts
+        p = make_problem(MoEShape(ALL_GATHER_WORLD * m_local, e_global, 64, 72, 2), torch.float32, routing, seed=5, device=device)
+        experts = torch.arange(e_global, device=device)
+        mine = experts % ALL_GATHER_WORLD == rank
+        expert_map = torch.where(mine, torch.cumsum(mine.int(), 0) - 1, -1).to(torch.int32)
+        kernel = tmoe.FusedMoEModularKernel(AllGatherPrepareAndFinalize(), tmoe.TritonExperts(), chunk_size=chunk_size)
+        rows = slice(rank * m_local, (rank + 1) * m_local)
+        out = kernel(p.x[rows], p.w1[mine].contiguous(), p.w2[mine].contiguous(), p.topk_weights[rows].contiguous(),
+                     p.topk_ids[rows].contiguous(), global_num_experts=e_global, expert_map=expert_map)
+        ref = moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)[rows]
+        assert_close(out, ref, torch.float32, name=f"rank {rank} output")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("chunk_size, routing", [(32768, "uniform"), (4, "out_of_range")])
+def test_all_gather_expert_parallel_two_ranks(chunk_size, routing):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_all_gather_rank_main, args=(os.path.join(tmp, "init"), chunk_size, routing), nprocs=ALL_GATHER_WORLD, join=True)

@@ -12,7 +12,7 @@ from tmoe.runtime.device import INTERPRETER_PROGRAMS, persistent_programs
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem
-from test_fp8_layer import SCHEMES, run_scheme
+from tests.layer.test_fp8_layer import SCHEMES, run_scheme
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
