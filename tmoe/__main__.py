@@ -11,7 +11,7 @@ USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | tune ... | t
   bench-ep  expert parallelism: all-gather vs all-to-all step, dispatch and combine times and
           bytes per rank (spawns --world-size processes, NCCL); bench-ep -h for options
   tune    tile-config tuning into vLLM-named JSON tables (GPU); tune -h for options
-  tables  the README's benchmark tables from one run's bench_moe.csv rows; tables -h for options
+  tables  the benchmark tables from one run's bench_moe.csv rows; tables -h for options
 """
 
 

@@ -1,4 +1,4 @@
-"""``python -m tmoe tables <bench_moe.csv> --commit C [--dtype D]``: the README's benchmark tables
+"""``python -m tmoe tables <bench_moe.csv> --commit C [--dtype D]``: the benchmark tables (bench/results/summary.md, the README)
 (shapes x M) from one benchmark run's CSV rows: fraction of the floor (tmoe / peer), times (tmoe
 graph / tmoe eager / peer eager) and, where the run timed them, the stages (graph µs and fraction of
 each stage's own floor); then the cells below the layer's goals (``GOALS``), each with its stages."""
