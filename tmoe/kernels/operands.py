@@ -3,6 +3,7 @@ finds its rows (``Routing``, ``DirectRouting``), and the operand checks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -107,3 +108,17 @@ def check_low_bit_operand(name: str, w: torch.Tensor, scale_name: str, scale: to
         raise ValueError(f"int4 zero points pack two rows per byte: {name} needs an even row count, got {rows}")
     check_tensor(zp_name, zp, dtypes=(torch.uint8,), ndim=3, device=device)
     check_shape(zp_name, zp, (e, rows // pack, groups))
+
+
+def operand_scales(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, block_shape: Sequence[int] | None,
+                   w_zp: torch.Tensor | None, weight_dtype: str | None, group_size: int, *, fp8: bool,
+                   missing: str) -> Scales | WeightScales | None:
+    """The scales one GEMM takes: ``WeightScales`` for low-bit weights (``weight_dtype``), ``Scales``
+    for fp8 operands (``fp8``; ``missing`` is the error when a scale is absent), else None."""
+    if weight_dtype is not None:
+        return WeightScales(weight_dtype, w_scale, w_zp, group_size)
+    if not fp8:
+        return None
+    if a_scale is None or w_scale is None:
+        raise ValueError(missing)
+    return Scales(a_scale, w_scale, tuple(block_shape) if block_shape else None)
