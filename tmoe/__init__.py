@@ -32,7 +32,7 @@ from tmoe.modular import (  # noqa: E402
     PrepareResult,
     TritonExperts,
 )
-from tmoe.stages import (  # noqa: E402
+from tmoe.functional import (  # noqa: E402
     moe_align_block_size, moe_reduce, per_token_group_quant_fp8, per_token_quant_fp8, static_quant_fp8, topk_route,
 )
 from tmoe.weights import (  # noqa: E402

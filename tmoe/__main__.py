@@ -13,7 +13,7 @@ USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | bench-train 
   tune    tile-config tuning into vLLM-named JSON tables (GPU); tune -h for options
   bench-train  forward+backward time and peak memory against the floor, grouped_mm and Liger (GPU;
           --tiny on CPU); bench-train -h for options
-  tables  the README's benchmark tables from one run's bench_moe.csv rows; tables -h for options
+  tables  the benchmark tables from one run's bench_moe.csv rows; tables -h for options
 """
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tmoe.kernels.checks import positive_int
-from tmoe.kernels.common import w1_rows_per_n
+from tmoe.kernels.activation import w1_rows_per_n
 from tmoe.fused import takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
     ExpertParallel, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize,

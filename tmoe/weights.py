@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tmoe.kernels.checks import FLOAT_DTYPES, check_tensor
-from tmoe.kernels.common import cdiv
+from tmoe.kernels.sizes import cdiv
 from tmoe.kernels.quant import FP8_DTYPE, FP8_MAX
 
 

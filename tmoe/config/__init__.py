@@ -14,10 +14,10 @@ from typing import Iterator
 import torch
 
 from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
-from tmoe.kernels.common import cdiv
-from tmoe.kernels.gemm_args import sm_count
+from tmoe.kernels.sizes import cdiv
+from tmoe.runtime.device import sm_count
 from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
-from tmoe.kernels.pdl import override_pdl, pdl_requested
+from tmoe.runtime.pdl import override_pdl, pdl_requested
 
 
 def _sms(device: torch.device) -> int:
@@ -56,24 +56,19 @@ def _heuristic(m: int, e: int, n: int, k: int, topk: int, block_k_cap: int | Non
         # intermediate per 1 x 128 group and the bf16 intermediate is never written)
         bk, stages = min(128, block_k_cap), 3
         up_bn = 128 if bm <= 32 else min(bn, 64)
-    # TMA weight tiles, where the H200 retune (bench/results/2026-12-03_NVIDIA_H200_tune_tma.log)
-    # measured them faster: block-fp8 GEMMs from block_m 64 (5-22%), the down GEMM from block_m 128
+    # TMA weight tiles where they measured faster: block-fp8 GEMMs from block_m 64, the down GEMM from 128
     up_tma = block_k_cap is not None and bm >= 64
     down_tma = up_tma or bm >= 128
     up_bk = down_bk = bk
     if group_size is not None:
         # weight-only low-bit: pointer loads (the kernel unpacks bytes); block_k as above whatever the
-        # group, because the tuned H200 tables pick K steps over several groups at mxfp4's group 32 in
-        # 47 of 48 GEMMs (block_k 64-256), with the int32 unpacking (d712828) and with the PTX one;
-        # halved until it divides the GEMM's K: a K tail masks every code load along K, the tile's
-        # contiguous dimension (GPT-OSS, K = N = 2880: block_k 64 1.5-2.6x faster than 128 on the
-        # H200, bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log)
+        # group (K steps over several groups are faster), halved until it divides the GEMM's K: a K
+        # tail masks every code load along K, the tile's contiguous dimension (docs/low_bit.md)
         up_tma = down_tma = False
         up_bk, down_bk = _dividing_block_k(bk, k), _dividing_block_k(bk, n)
     down_bn = min(2 * bn, 128) if bm <= 32 else bn
     if group_size is not None and bm == 16:
         # decode: narrower columns until the row blocks (slots, or touched experts) fill the GPU twice
-        # (GPT-OSS M=1, 4 slots: block_n 32 for both GEMMs 60.9 us against 82.1 at 64/128 on the H200)
         rows = min(m * topk, e)
         up_bn, down_bn = _filling_block_n(up_bn, rows, n, sms), _filling_block_n(down_bn, rows, k, sms)
     up = GemmConfig(bm, up_bn, up_bk, num_warps=warps, num_stages=stages, tma=up_tma)
@@ -117,26 +112,18 @@ def _lookup(m: int, e: int, n: int, k: int, topk: int, device: str, quant: str |
     return _heuristic(m, e, n, k, topk, block_k_cap, group_size, sms)
 
 
-# M * topk at or below which a Standard-format layer takes the decode path (no align stage,
-# one row block per slot, the down GEMM sums each token's slots). 0: off by default. Measured
-# on the H200 (bench/results/2026-12-03_decode_route.md): the decode path wins only at
-# DeepSeek-V3 bf16 M<=2 (169 vs 178 us at M=1) and loses elsewhere (its down GEMM, one
-# program per token, streams weights slower than the aligned one), so it is opt-in
-# through override_route("direct") until its down GEMM is faster.
+# M * topk at or below which a Standard-format layer takes the direct route (no align stage, one
+# row block per slot, the down GEMM sums each token's slots). 0: opt-in through
+# override_route("direct"), because its down GEMM streams weights slower (docs/routes.md).
 DIRECT_MAX_SLOTS = 0
 # Tokens at or below which the aligned path skips its align stage ("slots": one row block per
-# slot in both GEMMs, each slot's output written, the top-k reduce as on the aligned path).
-# Measured on the H200 (bench/results/2026-12-04_NVIDIA_H200_route_swap_probe_ded77e4.log): at M=1
-# it saves the align launch (Qwen3-30B-A3B bf16 32.4 -> 27.9 us, fp8 block 35.4 -> 31.6,
-# DeepSeek-V3 bf16 176.9 -> 170.2; Mixtral within 1%); from M=4 it loses on some shapes.
+# slot in both GEMMs, each slot's output written, the top-k reduce as on the aligned path): it
+# saves the align launch at M=1 and loses on some shapes from M=4 (docs/routes.md).
 SLOT_ROUTE_MAX_TOKENS = 1
 # Tokens (an inclusive range) and expert sizes (N * K at most) at which a layer with unquantized
 # activations and weights takes the fused decode path (both GEMMs per slot in one kernel, then a
-# reduce of the partial sums: ``moe_fused_decode``). Measured on the H200, bf16, whole layer
-# (bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log): Qwen3-30B-A3B (N * K =
-# 1.5M) M=2 45.3 vs 49.8 us, M=4 74.9 vs 81.4, M=1 a tie (27.7 vs 27.8), M=8 150 vs 131 (slots that
-# share an expert read its weights again); DeepSeek-V3 (14.7M) and Mixtral (58.7M) lose at M = 1-8;
-# low-bit weights lose 1.4-4x (the aligned path's tuned tiles dequantize faster): opt-in there.
+# reduce of the partial sums: ``moe_fused_decode``): small experts at M = 2-4 win, larger ones and
+# low-bit weights lose, so it is opt-in there (docs/routes.md).
 FUSED_TOKENS = (2, 4)
 FUSED_MAX_EXPERT_ELEMENTS = 4 * 1024 * 1024
 ROUTES = ("sorted", "direct", "slots", "fused")

@@ -15,20 +15,18 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
-from tmoe.kernels.common import cdiv, check_num_local_experts, next_power_of_2
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
-from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
-from tmoe.kernels.plan import Launch, planned
+from tmoe.kernels.sizes import cdiv, check_num_local_experts, next_power_of_2
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.launch import launch
+from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from tmoe.runtime.plan import Launch, planned
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
 SUBS_PER_CHUNK = 4  # sub-tiles each program walks in sequence (each step depends on the last)
-# Slots past one chunk, up to which one sorting program replaces the three launches: measured on the
-# H200 (bench/results/2026-12-05_NVIDIA_H200_align_probe_c113de4.log, graph µs, three launches against
-# the program): Qwen3-30B-A3B 512 slots 14.9 vs 9.1, 1024 15.2 vs 11.9, 2048 15.1 vs 23.4; DeepSeek-V3
-# 512 18.8 vs 16.6, 1024 19.1 vs 19.2; Mixtral 1024 14.1 vs 14.1, 2048 16.7 vs 18.8. Read when a call
-# signature is first planned: after changing it, ``tmoe.kernels.launch.clear_launch_caches()``.
+# Slots past one chunk up to which one sorting program replaces the three launches (faster up to
+# 1024 slots, slower at 2048: docs/routes.md). Read when a call signature is first planned: after
+# changing it, ``tmoe.runtime.state.clear_launch_caches()``.
 SORT_MAX_SLOTS = 1024
 SORT_SLOT_LIMIT = 4096  # the sorting program holds every slot's key in registers: at most this many
 

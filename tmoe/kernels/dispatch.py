@@ -11,9 +11,9 @@ import triton.language as tl
 
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.common import cdiv, next_power_of_2
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels.sizes import cdiv, next_power_of_2
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.launch import launch
 
 
 @triton.jit

@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.checks import check_shape, check_tensor
-from tmoe.kernels.common import cdiv, next_power_of_2
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels.sizes import cdiv, next_power_of_2
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.launch import launch
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,8 @@ class GemmConfig:
     registers), transposed once at the end. The decode path's down GEMM (``moe_down_reduce``)
     ignores it. ``persistent`` (needs ``tma``): at most one program per SM, each looping over output tiles,
     where the GEMM has aligned rows (the align stage's) and TMA weights; else one program per tile."""
+
+    PLAN_AS_VALUE: ClassVar[bool] = True  # a planned launcher keys on it whole (runtime/plan.py)
 
     block_m: int
     block_n: int

@@ -13,14 +13,15 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.common import cdiv, local_expert, next_power_of_2
-from tmoe.kernels.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
-from tmoe.kernels.gemm_args import (
-    Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget, weight_bytes,
-)
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
-from tmoe.kernels.plan import Launch, planned
+from tmoe.kernels._details.common import local_expert
+from tmoe.kernels.sizes import cdiv, next_power_of_2
+from tmoe.kernels._details.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
+from tmoe.kernels.gemm_args import fit_shared_memory, fit_low_bit, scale_args, weight_bytes
+from tmoe.kernels.operands import Scales, WeightScales
+from tmoe.runtime.device import shared_memory_budget
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from tmoe.runtime.plan import Launch, planned
 
 
 @triton.jit

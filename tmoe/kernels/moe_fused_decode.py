@@ -11,7 +11,7 @@ and the intermediate never leaves registers; the launches of the aligned path (a
 down GEMM, top-k reduce) become two. Made for decode, where each slot has an expert of its own
 (a slot that shares its expert with another reads the weights again). Row 0 of the [16, ...]
 tiles is the token (the tensor cores take 16 rows; the others are masked). Low-bit weights
-(``gemm_args.WeightScales``) are dequantized in both GEMMs (``dequant.dequant_dot``; the down
+(``operands.WeightScales``) are dequantized in both GEMMs (``dequant.dequant_dot``; the down
 GEMM's K is the intermediate, so block j is one K step). Slots of out-of-range or remote experts
 compute nothing and are never read by the reduce. All offsets int64.
 """
@@ -21,16 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels.common import (
-    act_and_mul, act_no_mul, activation_params, cdiv, local_expert, moe_tile_matmul, next_power_of_2, w1_columns,
-    w1_rows_per_n,
-)
-from tmoe.kernels.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
-from tmoe.kernels.gemm_args import WeightScales, fit_shared_memory, scale_args, shared_memory_budget, weight_bytes
+from tmoe.kernels._details.common import act_and_mul, act_no_mul, local_expert, w1_columns
+from tmoe.kernels._details.tile_matmul import moe_tile_matmul
+from tmoe.kernels.activation import activation_params, w1_rows_per_n
+from tmoe.kernels.sizes import cdiv, next_power_of_2
+from tmoe.kernels._details.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
+from tmoe.kernels.gemm_args import fit_shared_memory, scale_args, weight_bytes
+from tmoe.kernels.operands import WeightScales
+from tmoe.runtime.device import shared_memory_budget
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
-from tmoe.kernels.plan import Launch, planned
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from tmoe.runtime.plan import Launch, planned
 
 
 @triton.jit
@@ -186,8 +188,7 @@ def _weight_args(i: int, scales: WeightScales | None, x: torch.Tensor, w: torch.
             "GROUP_K": a["GROUP_K"], "QUANT": a["QUANT"], "HAS_ZP": a["HAS_ZP"]}
 
 
-# output columns per down-GEMM step: on the H200 256 beat 128 at block_n 64 and 128, and 512 at 64
-# (bench/results/2026-12-04_NVIDIA_H200_fused_decode_probe_5b523d4.log, probe2: DOWN_TILE = block_n x step)
+# output columns per down-GEMM step: 256 beat 128 and 512 at the block_n the fused route takes
 DOWN_STEP = 256
 
 

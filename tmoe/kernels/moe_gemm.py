@@ -18,20 +18,22 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.common import (
-    activation_params, cdiv, local_expert, moe_tile_matmul, moe_tile_matmul_tma, tile_ids, w1_columns,
-    w1_rows_per_n,
-)
-from tmoe.kernels.dequant import b_rows, zero_point_rows
-from tmoe.kernels.gemm_epilogue import moe_epilogue
+from tmoe.kernels._details.common import local_expert, w1_columns
+from tmoe.kernels._details.tile_matmul import moe_tile_matmul, moe_tile_matmul_tma, tile_ids
+from tmoe.kernels.activation import activation_params, w1_rows_per_n
+from tmoe.kernels.sizes import cdiv
+from tmoe.kernels._details.dequant import b_rows, zero_point_rows
+from tmoe.kernels._details.gemm_epilogue import moe_epilogue
 from tmoe.kernels.gemm_args import (
-    DirectRouting, Routing, Scales, WeightScales, fit_shared_memory, fit_low_bit, scale_args, shared_memory_budget,
-    persistent_epilogue_bytes, persistent_programs, uniform_w_scale, weight_bytes, weight_descriptor,
+    fit_shared_memory, fit_low_bit, scale_args, persistent_epilogue_bytes, uniform_w_scale, weight_bytes,
+    weight_descriptor,
 )
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
-from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
-from tmoe.kernels.plan import Launch, planned
+from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales
+from tmoe.runtime.device import persistent_programs, shared_memory_budget
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.launch import launch
+from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from tmoe.runtime.plan import Launch, planned
 
 @triton.jit
 def _sorted_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
@@ -207,7 +209,7 @@ def invoke_moe_gemm(
     row 2j gate j, row 2j + 1 up j; else gate rows then up rows), (E, N, K) for a *_no_mul one;
     ``swiglu_alpha``/``swiglu_limit`` are runtime floats (see ``activation_params``), so a new
     value compiles nothing. ``scales`` a ``WeightScales``: ``w`` holds low-bit codes, dequantized
-    in the K loop. Shapes were checked by the caller. Planned (``tmoe.kernels.plan.planned``):
+    in the K loop. Shapes were checked by the caller. Planned (``tmoe.runtime.plan.planned``):
     the body runs once per static signature of the arguments."""
     mul = gated and w1_rows_per_n(activation) == 2
     n = w.shape[1] // 2 if mul else w.shape[1]

@@ -20,9 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels.common import _sigmoid, activation_params, cdiv, w1_rows_per_n
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels._details.common import _sigmoid
+from tmoe.kernels.activation import activation_params, w1_rows_per_n
+from tmoe.kernels.sizes import cdiv
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.launch import launch
 
 GRAD_BLOCK_M = 64  # the backward's align block size (rows of one expert per program)
 

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels.common import cdiv
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels.sizes import cdiv
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.launch import launch
 
 
 

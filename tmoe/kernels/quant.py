@@ -16,10 +16,11 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
-from tmoe.kernels.common import abs_no_nan, cdiv, fp8_scale, next_power_of_2, to_fp8
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
-from tmoe.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from tmoe.kernels._details.common import abs_no_nan, fp8_scale, to_fp8
+from tmoe.kernels.sizes import cdiv, next_power_of_2
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.launch import launch
+from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0

@@ -17,9 +17,10 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.checks import FLOAT_DTYPES, check_last_dim_contiguous, check_shape, check_tensor
-from tmoe.kernels.common import _sigmoid, cdiv, next_power_of_2
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels._details.common import _sigmoid
+from tmoe.kernels.sizes import cdiv, next_power_of_2
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.launch import launch
 
 MAX_EXPERTS = 512
 SCORINGS = ("softmax", "sigmoid")

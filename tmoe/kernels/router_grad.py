@@ -13,9 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels.common import _sigmoid, cdiv, next_power_of_2
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.launch import launch
+from tmoe.kernels._details.common import _sigmoid
+from tmoe.kernels.sizes import cdiv, next_power_of_2
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.launch import launch
 
 
 @triton.jit

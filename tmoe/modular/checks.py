@@ -8,8 +8,8 @@ import math
 import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.common import ACTIVATIONS, w1_rows_per_n
-from tmoe.kernels.gemm_args import check_low_bit_operand, codes_per_byte
+from tmoe.kernels.activation import ACTIVATIONS, w1_rows_per_n
+from tmoe.kernels.operands import check_low_bit_operand, codes_per_byte
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
@@ -17,7 +17,7 @@ _TENSORS = ("expert_map", "w1_scale", "w2_scale", "a1_scale", "a2_scale", "w1_bi
 
 
 def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[int, int]:
-    """Weight-only int4/int8/mxfp4 (layouts: ``tmoe.kernels.gemm_args.WeightScales``): w1 uint8
+    """Weight-only int4/int8/mxfp4 (layouts: ``tmoe.kernels.operands.WeightScales``): w1 uint8
     (E, 2N, K / p) ((E, N, K / p) for a *_no_mul activation), w2 uint8 (E, K, N / p), p = 2 for the
     4-bit schemes; scales (E, rows, cdiv(K_in, g)), float (e8m0 uint8 for mxfp4); zero points uint8
     (E, rows / p, cdiv(K_in, g)). Returns (E, w1 rows)."""

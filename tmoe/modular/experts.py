@@ -10,8 +10,8 @@ from tmoe.config import (
     GemmConfig, direct_down_config, fused_decode_config, get_config, use_direct_route, use_fused_route, use_slot_route,
 )
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.common import w1_rows_per_n
-from tmoe.kernels.gemm_args import DirectRouting, Routing, Scales, WeightScales
+from tmoe.kernels.activation import w1_rows_per_n
+from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales, operand_scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
@@ -29,13 +29,9 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
     def _scales(self, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None,
                 w_zp: torch.Tensor | None = None) -> Scales | WeightScales | None:
         qc = self.quant_config
-        if qc.weight_dtype is not None:
-            return WeightScales(qc.weight_dtype, w_scale, w_zp, qc.group_size)
-        if qc.quant_dtype is None:
-            return None
-        if a_scale is None or w_scale is None:
-            raise ValueError("fp8 experts need activation scales and w1_scale/w2_scale")
-        return Scales(a_scale, w_scale, self.quant_config.block_shape)
+        return operand_scales(a_scale, w_scale, qc.block_shape, w_zp, qc.weight_dtype, qc.group_size,
+                              fp8=qc.quant_dtype is not None,
+                              missing="fp8 experts need activation scales and w1_scale/w2_scale")
 
     def _fused_quant_group(self, n: int, up_block_n: int, a2_scale: torch.Tensor | None) -> int | None:
         """The 1 x g group the up GEMM's epilogue quantizes the intermediate with, or None when

@@ -11,11 +11,11 @@ from typing import NamedTuple
 
 import torch
 
-from tmoe.kernels.common import w1_rows_per_n
+from tmoe.kernels.activation import w1_rows_per_n
 from tmoe.config import config_state
-from tmoe.kernels.interpreter import with_interpreter_fixes
-from tmoe.kernels.plan import LaunchSequence
-from tmoe.kernels.replay import CallReplay
+from tmoe.runtime.interpreter import with_interpreter_fixes
+from tmoe.runtime.plan import LaunchSequence
+from tmoe.runtime.replay import CallReplay
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import call_signature, check_layer_call, check_static_scales
 from tmoe.modular.interfaces import (

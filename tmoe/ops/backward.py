@@ -12,7 +12,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
-from tmoe.kernels.common import w1_rows_per_n
+from tmoe.kernels.activation import w1_rows_per_n
 from tmoe.kernels.moe_grad_act import GRAD_BLOCK_M, grad_act_blocks, moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
 from tmoe.kernels.moe_grad_weight import moe_grad_weight as _grad_weight

@@ -10,8 +10,11 @@ import torch
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
-from tmoe.kernels.common import cdiv, w1_rows_per_n
-from tmoe.kernels.gemm_args import Routing, Scales, WeightScales, check_gemm_operands, check_low_bit_operand
+from tmoe.kernels.activation import w1_rows_per_n
+from tmoe.kernels.sizes import cdiv
+from tmoe.kernels.operands import (
+    Routing, Scales, WeightScales, check_gemm_operands, check_low_bit_operand, operand_scales,
+)
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.modular.checks import check_activation
 from tmoe.modular.quant_config import FusedMoEQuantConfig
@@ -55,13 +58,9 @@ def _low_bit(weight_dtype: str | None, group_size: int) -> FusedMoEQuantConfig |
 def _scales(a_scale: torch.Tensor | None, w_scale: torch.Tensor | None, block_shape: list[int] | None,
             w_zp: torch.Tensor | None = None,
             low_bit: FusedMoEQuantConfig | None = None) -> Scales | WeightScales | None:
-    if low_bit is not None:
-        return WeightScales(low_bit.weight_dtype, w_scale, w_zp, low_bit.group_size)
-    if a_scale is None and w_scale is None:
-        return None
-    if a_scale is None or w_scale is None:
-        raise ValueError("a_scale and w_scale must be given together for fp8 operands")
-    return Scales(a_scale, w_scale, tuple(block_shape) if block_shape else None)
+    return operand_scales(a_scale, w_scale, block_shape, w_zp, low_bit and low_bit.weight_dtype,
+                          low_bit.group_size if low_bit else 0, fp8=a_scale is not None or w_scale is not None,
+                          missing="a_scale and w_scale must be given together for fp8 operands")
 
 
 def _check_routing(a: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tmoe.kernels.replay import not_recorded
+from tmoe.runtime.replay import not_recorded
 
 
 @dataclass(frozen=True)

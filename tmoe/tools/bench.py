@@ -18,7 +18,6 @@ import functools
 import re
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -26,6 +25,7 @@ import torch
 
 from tmoe.config import ROUTES as LAYER_ROUTES
 from tmoe.tools import peers, timing
+from tmoe.tools.inputs import SHAPES, RoutedInputs, Shape, make_inputs, make_weights
 from tmoe.tools.low_bit import LOW_BIT_DTYPES, value_bytes
 from tmoe.tools.results import Env, Measurement, Row, append_csv, git_commit, markdown_table, row_cells, write_plot
 from tmoe.tools.timing import Call
@@ -35,25 +35,6 @@ DEFAULT_MS = (1, 8, 64, 256, 1024, 4096, 16384)
 QUICK_MS = (1, 64, 1024)
 ROUTES = ("auto", *LAYER_ROUTES)  # auto: the layer's own choice by token count
 PROVIDERS = ("tmoe", "grouped_mm", "scaled_grouped_mm", "loop")  # bf16 runs skip the fp8 peer, fp8 runs the bf16 ones
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One MoE layer: w1 (e, 2n, k), w2 (e, k, n), topk experts per token, M up to max_m."""
-
-    name: str
-    e: int
-    n: int
-    k: int
-    topk: int
-    max_m: int = 1 << 30
-
-
-SHAPES = {
-    "mixtral": Shape("mixtral", 8, 14336, 4096, 2),
-    "qwen3": Shape("qwen3", 128, 768, 2048, 8),
-    "deepseek": Shape("deepseek", 256, 2048, 7168, 8, max_m=4096),
-}
 
 
 def count_touched(topk_ids: torch.Tensor, e: int) -> int:
@@ -118,7 +99,7 @@ def _time_both(calls: list[Call], syncs: bool, args: argparse.Namespace) -> tupl
     return graph, eager
 
 
-def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor | None, ...], sets: list[peers.RoutedInputs],
+def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor | None, ...], sets: list[RoutedInputs],
                  touched: float, args: argparse.Namespace, ceil: timing.Ceilings, t0: float) -> Iterator[Row]:
     """Rows ``tmoe.<stage>``: each stage op timed alone at the block_m the layer uses; ``weights``
     (w1, w1_scale, w2, w2_scale): bf16 with None scales, or the fp8 modes' codes and scales."""
@@ -145,7 +126,7 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: tim
                 t0: float) -> Iterator[Row]:
     """Every M and provider of one shape on fresh random weights, freed before returning."""
     dev = torch.device("cuda")
-    w1, w2 = peers.make_weights(s.e, s.n, s.k, dev)
+    w1, w2 = make_weights(s.e, s.n, s.k, dev)
     providers = peers.with_routes(peers.providers(args.dtype, w1, w2, args.providers), args.routes)
     per_value = value_bytes(args.dtype)
     stage_weights = None
@@ -155,7 +136,7 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: tim
         stage_weights = (*peers.quantize_fp8(w1, args.dtype), *peers.quantize_fp8(w2, args.dtype))
     del w1, w2  # the providers hold what they need (the fp8 and low-bit ones their own quantized copies)
     for m in ms:
-        sets = peers.make_inputs(m, s.e, s.k, s.topk, args.sets, dev)
+        sets = make_inputs(m, s.e, s.k, s.topk, args.sets, dev)
         touched = statistics.mean(count_touched(r.topk_ids, s.e) for r in sets)
         nbytes, flops = layer_traffic(s, m, touched, per_value)
         floor = floor_us(nbytes, flops, ceil.copy_bw, ceil.rate(args.dtype))

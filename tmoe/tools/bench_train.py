@@ -25,8 +25,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from tmoe.tools.bench import Shape, count_touched
+from tmoe.tools.bench import count_touched
+from tmoe.tools import peers
+from tmoe.tools.inputs import Shape, make_weights
 from tmoe.tools.results import Env, git_commit
+from tmoe.tools.timing import measure_ceilings
 
 SHAPES = {
     "qwen3": Shape("qwen3", 128, 768, 2048, 8),
@@ -68,8 +71,6 @@ def tmoe_layer(ids: torch.Tensor) -> Layer:
 def grouped_mm_layer(ids: torch.Tensor) -> Layer:
     """transformers' grouped_mm experts path (``peers.grouped_mm_moe``) on transposed views, as
     transformers passes them; a contiguous copy inside the step if ``_grouped_mm`` refuses views."""
-    from tmoe.tools import peers
-
     views = peers._grouped_mm_takes_views(ids.device)
 
     def t(w: torch.Tensor) -> torch.Tensor:
@@ -236,8 +237,6 @@ def ceilings(device: torch.device) -> tuple[float, float, str]:
     """(copy bytes/s, bf16 FLOP/s, text): measured on CUDA, nominal placeholders on CPU."""
     if device.type != "cuda":
         return 1e10, 1e11, "CPU: nominal 10 GB/s, 100 GFLOP/s (not measured)"
-    from tmoe.tools.timing import measure_ceilings
-
     c = measure_ceilings(with_fp8=False, trials=3)
     return c.copy_bw, c.bf16_flops, c.describe()
 
@@ -289,8 +288,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         w1 = w2 = None
         try:
             torch.manual_seed(0)
-            from tmoe.tools.peers import make_weights
-
             w1, w2 = make_weights(s.e, s.n, s.k, device)
             w1.requires_grad_(), w2.requires_grad_()
             for m in args.ms:

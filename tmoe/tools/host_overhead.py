@@ -33,10 +33,10 @@ class _StubCompiled:
 def _stub_gpu_path() -> None:
     from triton.runtime.jit import JITFunction
 
-    from tmoe.kernels import launch
+    from tmoe.runtime import state
 
     JITFunction.run = lambda self, *args, **kwargs: _StubCompiled()  # Triton's binder and compile, stubbed
-    launch.DIRECT_CALLS = True
+    state.DIRECT_CALLS = True
     torch._C._cuda_getDevice = lambda: 0
     torch._C._cuda_getCurrentRawStream = lambda device: 0
     torch.cuda.is_current_stream_capturing = lambda: False
@@ -50,7 +50,7 @@ def _stub_interpreter_path() -> None:
 
 def measure(path: str, profile: bool = False, reps: int = 200, trials_count: int = 10) -> float:
     import tmoe
-    from tmoe.kernels.interpreter import INTERPRETED
+    from tmoe.runtime.interpreter import INTERPRETED
 
     if INTERPRETED != (path == "interpreter"):
         sys.exit(f"the {path} path needs TRITON_INTERPRET={int(path == 'interpreter')} before tmoe is imported")

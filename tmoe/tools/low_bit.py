@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+import tmoe
+from tmoe.tools.inputs import Provider
+
 LOW_BIT_DTYPES = ("int4", "int8", "mxfp4")
 GROUP_SIZE = 128
 _CHUNK = 8  # experts quantized at a time (the quantizers work in float32)
@@ -28,8 +31,6 @@ def value_bytes(dtype: str) -> float:
 
 def quantize(w: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(codes, scales, zero points or None) of w (E, rows, K), a few experts at a time."""
-    import tmoe
-
     parts = []
     for chunk in w.split(_CHUNK):
         if dtype == "mxfp4":
@@ -43,9 +44,6 @@ def quantize(w: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor, t
 
 def low_bit_providers(w1: torch.Tensor, w2: torch.Tensor, dtype: str, names: tuple[str, ...]) -> list:
     """"tmoe" on ``dtype`` weights quantized from w1/w2 and "tmoe_bf16" on w1/w2 themselves."""
-    import tmoe
-    from tmoe.tools.peers import Provider
-
     if "tmoe" not in names:
         return []
     qc = tmoe.FusedMoEQuantConfig(weight_dtype=dtype, group_size=32 if dtype == "mxfp4" else GROUP_SIZE)

@@ -7,51 +7,18 @@ Every provider maps one ``RoutedInputs`` to the (M, K) layer output. Peers follo
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+import tmoe
+from tmoe.tools.inputs import Provider, RoutedInputs
 from tmoe.tools.low_bit import LOW_BIT_DTYPES, low_bit_providers
 from tmoe.tools.timing import Call
+from tmoe.weights import quantize_weight_per_block_fp8, quantize_weight_per_channel_fp8
 
 FP8_MODES = ("fp8_block", "fp8_token")
-
-
-@dataclass(frozen=True)
-class RoutedInputs:
-    """One rotation set: x (M, K) bf16, topk_weights (M, topk) float32, topk_ids (M, topk) int32."""
-
-    x: torch.Tensor
-    topk_weights: torch.Tensor
-    topk_ids: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Provider:
-    """``fn(inputs) -> (M, K)``; ``syncs``: the call waits on the host, so it cannot be graph-captured."""
-
-    name: str
-    fn: Callable[[RoutedInputs], torch.Tensor]
-    syncs: bool = False
-
-
-def make_weights(e: int, n: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random bf16 w1 (e, 2n, k) and w2 (e, k, n), std 1/sqrt(fan-in), filled in place (no temporaries)."""
-    w1 = torch.empty(e, 2 * n, k, dtype=torch.bfloat16, device=device).normal_(0.0, k ** -0.5)
-    w2 = torch.empty(e, k, n, dtype=torch.bfloat16, device=device).normal_(0.0, n ** -0.5)
-    return w1, w2
-
-
-def make_inputs(m: int, e: int, k: int, topk: int, n_sets: int, device: torch.device) -> list[RoutedInputs]:
-    """``n_sets`` independent inputs with random softmax top-k routing."""
-    sets = []
-    for _ in range(n_sets):
-        x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
-        weights, ids = torch.topk(torch.randn(m, e, device=device).softmax(-1), topk)
-        sets.append(RoutedInputs(x, weights.contiguous(), ids.to(torch.int32).contiguous()))
-    return sets
 
 
 def _sort_by_expert(topk_ids: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -146,8 +113,6 @@ def _transposed(w: torch.Tensor) -> torch.Tensor:
 
 def bf16_providers(w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, ...]) -> list[Provider]:
     """The bf16 providers among "tmoe", "grouped_mm", "loop", in that order."""
-    import tmoe
-
     providers = []
     if "tmoe" in names:
         providers.append(Provider("tmoe", lambda r: tmoe.fused_experts(r.x, w1, w2, r.topk_weights, r.topk_ids)))
@@ -172,7 +137,6 @@ def failing(err: Exception) -> Callable[[RoutedInputs], torch.Tensor]:
 def quantize_fp8(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """w (E, A, B) bf16 -> (fp8 codes, float32 scales), one expert at a time to bound float32
     temporaries. fp8_block: 128x128 block scales (E, A/128, B/128); fp8_token: per channel (E, A, 1)."""
-    from tmoe.weights import quantize_weight_per_block_fp8, quantize_weight_per_channel_fp8
 
     quantize = quantize_weight_per_block_fp8 if mode == "fp8_block" else quantize_weight_per_channel_fp8
     q0, s0 = quantize(w[:1])
@@ -186,8 +150,6 @@ def quantize_fp8(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor
 def fp8_provider(w1: torch.Tensor, w2: torch.Tensor, mode: str) -> Provider:
     """The tmoe layer on fp8 weights quantized from w1/w2 (which the caller may then free);
     activations are quantized inside the call. Named "tmoe"."""
-    import tmoe
-
     if mode == "fp8_block":
         qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(128, 128))
     else:
@@ -218,8 +180,6 @@ def scaled_grouped_mm_provider(w1: torch.Tensor, w2: torch.Tensor) -> Provider:
 def with_routes(providers: list[Provider], routes: tuple[str, ...]) -> list[Provider]:
     """The "tmoe" provider once per route: "auto" as it is, "sorted"/"direct" forced to the
     aligned or decode path and named "tmoe[sorted]"/"tmoe[direct]"; other providers unchanged."""
-    import tmoe
-
     def forced(fn: Callable[[RoutedInputs], torch.Tensor], route: str) -> Callable[[RoutedInputs], torch.Tensor]:
         def call(r: RoutedInputs) -> torch.Tensor:
             with tmoe.override_route(route):

@@ -7,10 +7,9 @@ import itertools
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:
-    from tmoe.tools.bench import Shape
+from tmoe.tools.inputs import Shape
 
 Measurement = float | str  # microseconds, or why there is none
 

@@ -1,4 +1,4 @@
-"""``python -m tmoe tables <bench_moe.csv> --commit C [--dtype D]``: the README's benchmark tables
+"""``python -m tmoe tables <bench_moe.csv> --commit C [--dtype D]``: the benchmark tables (bench/results/summary.md, the README)
 (shapes x M) from one benchmark run's CSV rows: fraction of the floor (tmoe / peer), times (tmoe
 graph / tmoe eager / peer eager) and, where the run timed them, the stages (graph µs and fraction of
 each stage's own floor); then the cells below the layer's goals (``GOALS``), each with its stages."""
@@ -13,7 +13,7 @@ from tmoe.tools.peers import FP8_STAGES  # every stage, in the layer's order
 
 PEERS = {"bf16": "grouped_mm", "fp8_block": "scaled_grouped_mm", "fp8_token": "scaled_grouped_mm"}
 SHAPE_ORDER = ("mixtral", "qwen3", "deepseek")
-# the whole layer's fraction-of-floor goals (#14): (largest M, goal) in order of M
+# the whole layer's fraction-of-floor goals: (largest M, goal) in order of M
 _FP8_GOALS = ((1, 0.85), (256, 0.95), (1 << 62, 0.65))
 GOALS = {"bf16": ((1, 0.85), (256, 0.95), (1 << 62, 0.80)), "fp8_block": _FP8_GOALS, "fp8_token": _FP8_GOALS}
 

@@ -149,8 +149,7 @@ def _burst_rate(fn: Call, work: float, idle_s: float = 0.5, warmup: int = 3, tim
 
 
 # (BLOCK, TILES, num_warps) of the read-bandwidth kernels tried: each program reads TILES blocks of BLOCK
-# elements. On the H200 (0f6e3ab) the first three read 4.22, 4.17 and 4.27 TB/s (#14 saw 4.61 with a
-# Triton kernel): the widest one-block programs were fastest, so wider ones, more loads in flight, follow
+# elements; the widest one-block programs were fastest, so wider ones, more loads in flight, follow
 _READ_SHAPES = ((4096, 16, 8), (8192, 4, 8), (16384, 1, 8), (32768, 1, 16), (65536, 1, 32))
 
 

@@ -30,33 +30,16 @@ from tmoe.tools.peers import quantize_fp8
 from tmoe.config import GemmConfig, MoEConfig, config_file_name, device_name, read_table, save_table
 from tmoe.config.tables import SHIPPED_CONFIGS
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.gemm_args import Routing, Scales, WeightScales
+from tmoe.kernels.operands import Routing, Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.kernels.quant import per_token_group_quant_fp8, per_token_quant_fp8
+from tmoe.tools.tune_tiles import (
+    DIRECT_DOWN_TILES, FP8_LARGE_TILES, FP8_SMALL_TILES, LARGE_TILES, LOW_BIT_LARGE_TILES, LOW_BIT_SMALL_TILES, SMALL_TILES,
+)
 
 SHAPES = {"mixtral": (8, 14336, 4096, 2), "qwen3": (128, 768, 2048, 8), "deepseek": (256, 2048, 7168, 8)}
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# (block_n, block_k, num_warps, num_stages); up GEMM tiles load 2 * block_n weight rows
-SMALL_TILES = [(32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 3),
-               (128, 64, 4, 5), (16, 256, 4, 3), (32, 128, 2, 5)]
-LARGE_TILES = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (256, 64, 8, 3),
-               (64, 128, 4, 3), (128, 64, 8, 5), (256, 64, 8, 4),
-               # three stages of 96 KB at block_m 128 (up: 64 gate + 64 up rows; down: 128 rows), so two
-               # programs share an SM and one's loads overlap the other's MMAs: the one-program tiles'
-               # times at the ridge came out near the sum of weight streaming and math (H200, 0f6e3ab)
-               (64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 4, 3)]
-# fp8: a K tile of 128 bytes or more; block quantization caps block_k at the 128 group
-FP8_SMALL_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 4, 4), (32, 256, 4, 3),
-                   (64, 256, 4, 3), (16, 256, 4, 4)]
-FP8_LARGE_TILES = [(64, 128, 4, 4), (64, 128, 8, 4), (128, 128, 8, 3), (128, 128, 8, 4), (256, 128, 8, 3),
-                   (128, 64, 8, 4)]
-# the decode path's down GEMM: one program per (token, block_n columns), so narrow tiles
-DIRECT_DOWN_TILES = [(16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 128, 4, 6), (32, 128, 4, 4),
-                     (32, 128, 4, 5), (32, 256, 4, 3), (64, 128, 4, 4)]
-# low-bit: K steps over two 128 groups (scales and zero points applied in the PTX unpacking on sm_90)
-LOW_BIT_SMALL_TILES = [(128, 256, 4, 3)]
-LOW_BIT_LARGE_TILES = [(64, 256, 4, 3)]
 QUANTS = {"none": None, "fp8_block": (128, 128), "fp8_token": None}
 VARIANTS = ("tma", "swap", "persistent")  # --tma / --swap / --persistent
 LOW_BIT = {"int4": GROUP_SIZE, "int8": GROUP_SIZE, "mxfp4": 32}  # weight-only schemes and their group sizes
@@ -82,8 +65,7 @@ def candidates(block_m: int, gated: bool, quant: str = "none",
     """Tile configs to time; ``tma`` None: pointer loads, and TMA weight tiles too from block_m 64
     (on smaller tiles TMA was within 1% in the H200 retune), and for fp8 below block_m 64 the
     ``swap_ab`` pointer tiles (block_n >= 64) too: there the plain tiles compile to mma.sync with
-    every fp8 weight converted to fp16 first, swap_ab ones to wgmma on fp8
-    (bench/results/2026-12-04_fp8_swap_ptx_sm90.log)."""
+    every fp8 weight converted to fp16 first, swap_ab ones to wgmma on fp8."""
     if quant in LOW_BIT:  # each tile, and with block_k capped at the group (one scale per K step); no TMA
         tiles = (SMALL_TILES + LOW_BIT_SMALL_TILES) if block_m <= 32 else (LARGE_TILES + LOW_BIT_LARGE_TILES)
         tiles = sorted(set(tiles) | {(bn, min(bk, LOW_BIT[quant]), w, s) for bn, bk, w, s in tiles})

@@ -1,0 +1,195 @@
+"""Every tmoe kernel compiles for Hopper (sm_90) with the installed Triton, without a GPU: the
+interpreter runs the kernels' Python, this checks that the compiler accepts them (the TMA and
+wgmma paths, and the programmatic-dependent-launch variants, included), so a Triton release that
+rejects our code fails on CPU CI."""
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KERNELS = (
+    "_align_count_kernel _align_scan_kernel _align_scatter_kernel _align_single_kernel _align_sort_kernel "
+    "_batched_dispatch_kernel "
+    "_moe_down_reduce_kernel _moe_fused_decode_kernel _moe_gemm_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
+    "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_kernel _zero_kernel"
+).split()
+
+# launched with launch_pdl and compiled with gdc_wait / gdc_launch_dependents under override_pdl(True)
+PDL_KERNELS = sorted(set(KERNELS) - {"_batched_dispatch_kernel", "_topk_route_kernel", "_zero_kernel"})
+
+# tmoe.testing.sm90: a stand-in CUDA driver reports an sm_90 device; launches only compile, nothing runs.
+SCRIPT = textwrap.dedent("""
+    import re
+
+    import torch
+
+    from tmoe.testing.sm90 import compile_only_sm90
+
+    compiled = []
+    swapped = []  # (QUANT, ptx) of the swap_ab GEMMs
+
+    cubins = {}  # the first cubin of each kernel
+
+    def record(name, kwargs, kernel):
+        compiled.append((name, kernel.asm["ptx"], kernel.metadata.launch_pdl))
+        cubins.setdefault(name, kernel.asm["cubin"])
+        if kwargs.get("SWAP_AB"):
+            swapped.append((kwargs["QUANT"], kernel.asm["ptx"]))
+
+    compile_only_sm90(record)
+
+    import tmoe
+    from tmoe.testing.strategies import MoEShape, make_problem
+
+    FP8 = torch.float8_e4m3fn
+    p = make_problem(MoEShape(9, 4, 128, 256, 2), torch.bfloat16, "uniform", seed=0)
+    fp8 = dict(quant_config=tmoe.FusedMoEQuantConfig(FP8, block_shape=(128, 128)),
+               w1_scale=torch.ones(4, 2, 2), w2_scale=torch.ones(4, 2, 1))
+    for route in ("sorted", "direct", "fused"):
+        for tma, persistent in ((False, False), (True, False), (True, True)):
+            cfg = tmoe.GemmConfig(64, 128, 128, tma=tma, persistent=persistent)
+            with tmoe.override_route(route), tmoe.override_config(tmoe.MoEConfig(cfg, cfg)):
+                tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+                tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
+    for scheme in ("int4", "mxfp4"):  # low-bit weights: int4 with zero points, mxfp4
+        g = 32 if scheme == "mxfp4" else 128
+        if scheme == "mxfp4":
+            (q1, s1), (q2, s2), z1, z2 = tmoe.quantize_weight_mxfp4(p.w1), tmoe.quantize_weight_mxfp4(p.w2), None, None
+        else:
+            q1, s1, z1 = tmoe.quantize_weight_int4(p.w1, g, zero_point=True)
+            q2, s2, z2 = tmoe.quantize_weight_int4(p.w2, g, zero_point=True)
+        low_bit = dict(quant_config=tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=g), w1_scale=s1,
+                       w2_scale=s2, w1_zp=z1, w2_zp=z2)
+        for route in ("sorted", "direct", "fused"):
+            with tmoe.override_route(route):
+                tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, **low_bit)
+        if scheme == "int4":  # a non-gated activation: w1 (E, N, K / 2), its zero points two rows per byte
+            n1, t1, y1 = tmoe.quantize_weight_int4(p.w1[:, : p.w1.shape[1] // 2].contiguous(), g, zero_point=True)
+            tmoe.fused_experts(p.x, n1, q2, p.topk_weights, p.topk_ids, activation="relu2_no_mul",
+                               **{**low_bit, "w1_scale": t1, "w1_zp": y1})
+        swap = tmoe.GemmConfig(16, 64, g, swap_ab=True)  # swap_ab: the weights as wgmma's LHS at block_m 16
+        with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(swap, swap)):
+            tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, **low_bit)
+    swap = tmoe.GemmConfig(16, 64, 128, swap_ab=True)
+    with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(swap, swap)):
+        tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+        tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
+    batched = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(16, 4), tmoe.BatchedTritonExperts(16))
+    batched(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    tmoe.per_token_quant_fp8(p.x)
+    tmoe.static_quant_fp8(p.x, torch.ones(1))
+    tmoe.topk_route(torch.randn(9, 16), 2, scoring="sigmoid", num_expert_group=4, topk_group=2,
+                    e_score_correction_bias=torch.zeros(16))
+    tmoe.moe_align_block_size(torch.randint(0, 8, (3000, 2), dtype=torch.int32), 16, 8)
+    from tmoe.kernels import align
+    sort_max, align.SORT_MAX_SLOTS = align.SORT_MAX_SLOTS, 4096  # the sorting align program at 2048 slots
+    tmoe.moe_align_block_size(torch.randint(0, 128, (256, 8), dtype=torch.int32), 16, 128)
+    align.SORT_MAX_SLOTS = sort_max
+    from tmoe.testing.sm90 import sass
+    print(re.search(r"REG:\\d+", sass(cubins["_moe_gemm_kernel"])).group(0))  # the disassembler runs
+    print(" ".join(sorted({name for name, _, _ in compiled})))
+    print(sum("cp.async.bulk.tensor" in ptx for _, ptx, _ in compiled), sum("wgmma" in ptx for _, ptx, _ in compiled))
+    # swap_ab GEMMs: wgmma (M = block_n) and no mma.sync; low-bit ones take the weights from registers
+    reg_a = r"wgmma\\.mma_async[^;]*\\},\\s*\\{"  # {acc}, {A registers}, B descriptor
+    mma = lambda ptx: "mma.sync" if "mma.sync" in ptx or "wgmma" not in ptx else "regA" if re.search(reg_a, ptx) else "wgmma"
+    print(" ".join(sorted({f"{q}:{mma(ptx)}" for q, ptx in swapped})))
+    # the PTX unpacking of packed 4-bit codes (a GPU picks it from its device; forced here): one-group
+    # K steps in bf16 and fp16, and steps over two groups (bf16 mxfp4, bf16/fp16 int4 with zero points:
+    # scales multiplied, zero points subtracted in the PTX)
+    from tmoe.kernels import gemm_args, operands
+    from tmoe.runtime.state import clear_launch_caches
+    gemm_args.asm_unpack = lambda scales, a, config, tile_n: (
+        isinstance(scales, operands.WeightScales) and scales.weight_dtype != "int8" and a.dtype != torch.float32)
+    clear_launch_caches()
+    unpacked = []
+    for scheme, dtype, groups in (("int4", torch.bfloat16, 1), ("int4", torch.float16, 1), ("mxfp4", torch.bfloat16, 1),
+                                  ("mxfp4", torch.float16, 1), ("mxfp4", torch.bfloat16, 2), ("int4", torch.bfloat16, 2),
+                                  ("int4", torch.float16, 2)):
+        g = 32 if scheme == "mxfp4" else 128
+        w1, w2 = p.w1.to(dtype), p.w2.to(dtype)
+        if scheme == "mxfp4":
+            (q1, s1), (q2, s2), z1, z2 = tmoe.quantize_weight_mxfp4(w1), tmoe.quantize_weight_mxfp4(w2), None, None
+        else:
+            q1, s1, z1 = tmoe.quantize_weight_int4(w1, g, zero_point=True)
+            q2, s2, z2 = tmoe.quantize_weight_int4(w2, g, zero_point=True)
+        low_bit = dict(quant_config=tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=g), w1_scale=s1,
+                       w2_scale=s2, w1_zp=z1, w2_zp=z2)
+        tiles = tmoe.GemmConfig(16, 64, g * groups)
+        compiled.clear()
+        for route in ("sorted", "fused"):
+            with tmoe.override_route(route), tmoe.override_config(tmoe.MoEConfig(tiles, tiles)):
+                tmoe.fused_experts(p.x.to(dtype), q1, q2, p.topk_weights, p.topk_ids, **low_bit)
+        gemms = [ptx for name, ptx, _ in compiled if name in ("_moe_gemm_kernel", "_moe_fused_decode_kernel")]
+        mul, sub = ("mul.rn.bf16x2", "sub.rn.bf16x2") if dtype == torch.bfloat16 else ("mul.rn.f16x2", "sub.rn.f16x2")
+        scaled = scheme == "mxfp4" or groups > 1  # int4 over several groups: minus zero points, times scales
+        ok = len(gemms) == 3 and all("prmt.b32" in ptx and "lop3.b32" in ptx and (not scaled or mul in ptx)
+                                     and (scheme == "mxfp4" or groups == 1 or sub in ptx) for ptx in gemms)
+        unpacked.append(f"{scheme}-{str(dtype)[6:]}-{groups}:{'ok' if ok else 'missing'}")
+    print(" ".join(unpacked))
+    # the PDL variants of the decode-path kernels (programmatic dependent launch)
+    compiled.clear()
+    persistent = tmoe.GemmConfig(64, 128, 128, tma=True, persistent=True)
+    with tmoe.override_pdl(True):
+        for route in ("sorted", "direct", "fused"):
+            with tmoe.override_route(route):
+                tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+                tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
+        with tmoe.override_route("sorted"), tmoe.override_config(tmoe.MoEConfig(persistent, persistent)):
+            tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+        batched(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+        tmoe.per_token_quant_fp8(p.x)
+        tmoe.static_quant_fp8(p.x, torch.ones(1))
+        tmoe.moe_align_block_size(torch.randint(0, 8, (3000, 2), dtype=torch.int32), 16, 8)
+        sort_max, align.SORT_MAX_SLOTS = align.SORT_MAX_SLOTS, 4096
+        tmoe.moe_align_block_size(torch.randint(0, 128, (256, 8), dtype=torch.int32), 16, 128)
+        align.SORT_MAX_SLOTS = sort_max
+    pdl = [(name, "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx, launch_pdl)
+           for name, ptx, launch_pdl in compiled]
+    print(" ".join(sorted({name for name, waits, launch_pdl in pdl if waits and launch_pdl})))
+    print(" ".join(sorted({name for name, waits, launch_pdl in pdl if waits != launch_pdl})) or "-")
+
+    MMA = "mma.sync|wgmma.mma_async"
+    MEMORY = r"ld\\.global|st\\.global|cp\\.async|red\\.global|atom\\.global"
+
+    def first(ptx, pattern):
+        return min((m.start() for m in re.finditer(pattern, ptx)), default=len(ptx))
+
+    def late(ptx):  # the trigger after the wait and after the last MMA (the K loop)
+        trigger = first(ptx, "griddepcontrol.launch_dependents")
+        mma = [m.start() for m in re.finditer(MMA, ptx)]
+        return first(ptx, "griddepcontrol.wait") < trigger < len(ptx) and all(i < trigger for i in mma)
+
+    print(" ".join(sorted({name for name, ptx, launch_pdl in compiled if launch_pdl and not late(ptx)})) or "-")
+    # the wait before the first global memory access (load, store, async copy)
+    print(" ".join(sorted({name for name, ptx, launch_pdl in compiled
+                           if launch_pdl and first(ptx, MEMORY) < first(ptx, "griddepcontrol.wait")})) or "-")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels for real")
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    regs, names, counts, swap, unpacked, pdl_names, mismatched, not_late, not_first = \
+        proc.stdout.strip().splitlines()[-9:]
+    assert int(regs.removeprefix("REG:")) > 0, f"tmoe.testing.sm90.sass: {regs}"
+    assert names.split() == sorted(KERNELS)
+    tma_loads, wgmma = map(int, counts.split())
+    assert tma_loads > 0 and wgmma > 0, "the TMA and wgmma paths must be compiled too"
+    assert swap.split() == ["block:wgmma", "int4:regA", "mxfp4:regA", "none:wgmma"], \
+        f"swap_ab GEMMs must use wgmma only, low-bit weights from registers: {swap}"
+    assert all(u.endswith(":ok") for u in unpacked.split()) and len(unpacked.split()) == 7, \
+        f"the 4-bit GEMMs (the aligned path's two and the fused decode kernel) must compile the PTX unpacking (prmt, lop3; mxfp4 and multi-group int4 their 16x2 " \
+        f"multiply, int4 its subtract): {unpacked}"
+    assert pdl_names.split() == sorted(PDL_KERNELS), "with override_pdl(True) these launch with PDL and wait"
+    assert mismatched == "-", f"launched with PDL but no griddepcontrol (or the reverse): {mismatched}"
+    assert not_late == "-", f"these trigger their dependents before their wait or inside the K loop: {not_late}"
+    assert not_first == "-", f"these touch global memory before their wait: {not_first}"

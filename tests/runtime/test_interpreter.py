@@ -1,0 +1,220 @@
+"""tmoe's Triton-interpreter workarounds (tmoe/runtime/interpreter.py): on by default for tmoe's
+launches, gone for everybody else's, and each one still needed by the interpreter in use."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import tmoe
+from tmoe.runtime.interpreter import INTERPRETED, interpreter_fixes
+from tmoe.reference import moe_reference
+from tmoe.testing import assert_close
+from tmoe.testing.strategies import MoEShape, make_problem
+
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason="workarounds for Triton's CPU interpreter")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tile = offs[:, None] * N + offs[None, :]  # [N, N]
+    tl.store(c_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile)))
+
+
+@triton.jit
+def _cast_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(y_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _scalar_mask_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    keep = tl.load(x_ptr) >= 0  # a scalar comparison broadcast into a block mask
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=(offs < N) & keep, other=0.0))
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)
+    tl.store(y_ptr + offs, tl.exp(x - tl.max(x, axis=0)))
+
+
+def _dot_ok(dtype: torch.dtype) -> bool:
+    a, b = torch.randn(16, 16).to(dtype), torch.randn(16, 16).to(dtype)
+    a[3, 5] = float("nan")  # row 3 of the product is NaN on a GPU
+    c = torch.zeros(16, 16)
+    _dot_kernel[(1,)](a, b, c, N=16)
+    ref = a.float() @ b.float()
+    return bool(c[3].isnan().all()) and torch.allclose(c[torch.arange(16) != 3], ref[torch.arange(16) != 3], rtol=1e-5)
+
+
+def _cast_ok(dtype: torch.dtype) -> bool:
+    """fp32 -> ``dtype`` as a GPU casts: nearest even, fp8 saturating (``cvt.rn.satfinite``), NaN kept."""
+    x = torch.cat([torch.tensor([124.3, float("nan"), 1000.0, -float("inf")]), torch.randn(508) * 100])
+    y = torch.zeros(512, dtype=dtype)
+    _cast_kernel[(1,)](x, y, N=512)
+    if dtype.itemsize == 1:
+        big = torch.finfo(dtype).max
+        return bool((y.view(torch.uint8) == x.clamp(-big, big).to(dtype).view(torch.uint8)).all())
+    return bool((y.view(torch.int16) == x.to(dtype).view(torch.int16)).all())
+
+
+def _scalar_mask_ok() -> bool:
+    x, y = torch.arange(8.0), torch.zeros(8)
+    try:
+        _scalar_mask_kernel[(1,)](x, y, N=8)
+    except triton.runtime.errors.InterpreterError:
+        return False
+    return bool((y == x).all())
+
+
+def _quiet_ok() -> bool:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        try:
+            _softmax_kernel[(1,)](torch.full((8,), float("-inf")), torch.zeros(8), N=8)
+        except triton.runtime.errors.InterpreterError as err:
+            assert isinstance(err.__cause__, RuntimeWarning), err
+            return False
+    return True
+
+
+FAULTS = {
+    "bf16 dot": lambda: _dot_ok(torch.bfloat16),
+    "fp8 dot keeps NaN": lambda: _dot_ok(torch.float8_e4m3fn),
+    "fp32->bf16 rounds to nearest even": lambda: _cast_ok(torch.bfloat16),
+    "fp32->fp8 rounds with carry, keeps NaN": lambda: _cast_ok(torch.float8_e4m3fn),
+    "scalar comparison as a mask": _scalar_mask_ok,
+    "no numpy RuntimeWarning": _quiet_ok,
+}
+
+
+@pytest.fixture(scope="module")
+def fault_results() -> dict[str, list[bool]]:
+    """Each check on the bare interpreter and inside ``interpreter_fixes``, in a fresh process
+    (an earlier test may have installed the fixes process-wide with ``patch_interpreter``)."""
+    out = _run(textwrap.dedent(f"""
+        import importlib.util, json
+        from tmoe.runtime.interpreter import interpreter_fixes
+        spec = importlib.util.spec_from_file_location("faults", {str(pathlib.Path(__file__))!r})
+        faults = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(faults)
+        results = {{}}
+        for name, check in faults.FAULTS.items():
+            bare = check()
+            with interpreter_fixes():
+                results[name] = [bare, check()]
+        print(json.dumps(results))
+    """))
+    return json.loads(out.splitlines()[-1])
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_each_workaround_is_needed_and_works(fault, fault_results):
+    """The bare interpreter still has the fault (when this fails, Triton fixed it: drop the
+    workaround); inside ``interpreter_fixes`` the result is the GPU's."""
+    bare, fixed = fault_results[fault]
+    assert not bare, f"Triton {triton.__version__}'s interpreter no longer needs the '{fault}' workaround"
+    assert fixed
+
+
+def _run(script: str) -> str:
+    """Run ``script`` in a fresh interpreter (nothing patched yet) with this checkout's tmoe; its stdout."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_default_bf16_layer_matches_reference_in_fresh_process():
+    _run(textwrap.dedent("""
+        import torch, tmoe
+        from tmoe.reference import moe_reference
+        from tmoe.testing import assert_close
+        from tmoe.testing.strategies import MoEShape, make_problem
+        p = make_problem(MoEShape(9, 4, 64, 64, 2), torch.bfloat16, "uniform", seed=0)
+        out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+        assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), torch.bfloat16)
+    """))
+
+
+_USER_KERNELS = textwrap.dedent("""
+    import torch, triton, triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    @triton.jit
+    def user_dot(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tile = offs[:, None] * N + offs[None, :]
+        tl.store(c_ptr + tile, tl.dot(tl.load(a_ptr + tile), tl.load(b_ptr + tile)))
+
+    @triton.jit
+    def user_cast(x_ptr, y_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(tl.bfloat16))
+
+    def user_results():
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(16, 16, generator=g).bfloat16(), torch.randn(16, 16, generator=g).bfloat16()
+        x = torch.randn(256, generator=g)
+        c, y = torch.zeros(16, 16), torch.zeros(256, dtype=torch.bfloat16)
+        user_dot[(1,)](a, b, c, N=16)
+        user_cast[(1,)](x, y, N=256)
+        return a.float() @ b.float(), c, y
+
+    def interpreter_functions():
+        return (interp._convert_float, interp.InterpreterBuilder.create_dot, interp.InterpreterBuilder.create_icmpSGE)
+""")
+
+
+def test_user_kernels_see_the_bare_interpreter_after_tmoe_calls():
+    """A plain @triton.jit kernel computes exactly what it computed before tmoe ran (the bare
+    interpreter's bf16 dot and truncating cast), and the interpreter's functions are the originals."""
+    _run(_USER_KERNELS + textwrap.dedent("""
+        originals, (true_dot, dot, cast) = interpreter_functions(), user_results()
+        assert not torch.allclose(dot, true_dot, rtol=0.1)  # the bare interpreter's bf16 dot
+        import tmoe
+        from tmoe.testing.strategies import MoEShape, make_problem
+        p = make_problem(MoEShape(5, 4, 64, 64, 2), torch.bfloat16, "uniform", seed=0)
+        tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+        tmoe.topk_route(torch.randn(5, 4), 2)
+        assert interpreter_functions() == originals
+        _, dot_after, cast_after = user_results()
+        assert torch.equal(dot_after.view(torch.int32), dot.view(torch.int32))
+        assert torch.equal(cast_after.view(torch.int16), cast.view(torch.int16))
+    """))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_row_stays_in_its_row(dtype, route):
+    """A NaN in one token's input makes that token's output NaN and no other (as on a GPU)."""
+    p = make_problem(MoEShape(7, 4, 64, 64, 2), dtype, "uniform", seed=3)
+    p.x[2, 5] = float("nan")
+    out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    assert bool(out[2].isnan().all())
+    assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), dtype)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_topk_route_prints_no_numpy_warning(scoring):
+    logits = torch.randn(9, 6)
+    logits[1] = float("-inf")
+    logits[2, 3] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tmoe.topk_route(logits, 2, scoring=scoring)
+        tmoe.topk_route(logits, 2, scoring=scoring, num_expert_group=2, topk_group=1,
+                        e_score_correction_bias=torch.zeros(6))

@@ -1,0 +1,1 @@
+"""Jit helpers shared by several stages (private): activations, tile matmuls, low-bit dequantization, the GEMM epilogue."""

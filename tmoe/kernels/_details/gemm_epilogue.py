@@ -1,0 +1,65 @@
+"""The expert GEMMs' epilogue: routed weight, bias, activation, fused fp8 output quantization, store.
+
+One jit helper, called once per output tile by ``moe_gemm._moe_gemm_kernel`` (once per program,
+or per tile of a persistent program's loop)."""
+import torch
+import triton
+import triton.language as tl
+
+from tmoe.kernels._details.common import abs_no_nan, act_and_mul, act_no_mul, fp8_scale, to_fp8
+
+FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+
+
+@triton.jit
+def moe_epilogue(
+    acc,  # [BM, BN] float32: gate (MUL), h (up GEMM without MUL) or the down GEMM's tile
+    up,  # [BM, BN] float32: the up half of a MUL tile (unused otherwise)
+    out_ptrs,  # [BM, BN] pointers into the output
+    mask_m,  # [BM] valid rows
+    mask_n,  # [BN] valid columns
+    offs_n,  # [BN] int64 output columns
+    slots,  # [BM] int64 slot of each row (MUL_ROUTED_WEIGHT)
+    bias_ptrs,  # [BN] this expert's gate (or only) biases of the tile's columns (HAS_BIAS)
+    topk_weights_ptr,  # [num_slots] float32
+    out_scale_ptrs,  # [BM] pointers to each row's first output scale (QUANT_OUT)
+    pid_n, N, stride_osg, quant_eps, act_alpha, act_limit,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, MUL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
+):
+    """Up GEMM (GATED): store act((w * x) @ W1 + b1) (the weight scales the input, not the bias),
+    QUANT_OUT as fp8 codes and one scale per 1 x GROUP_OUT group (``per_token_group_quant_fp8``);
+    down GEMM: store w * (h @ W2 + b2). Up biases sit at + N (INTERLEAVED: + 1)."""
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
+    if GATED:
+        if MUL_ROUTED_WEIGHT:
+            acc = acc * weight[:, None]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if MUL:
+            if MUL_ROUTED_WEIGHT:
+                up = up * weight[:, None]
+            if HAS_BIAS:
+                up_bias_offset = 1 if INTERLEAVED else N
+                up += tl.load(bias_ptrs + up_bias_offset, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc = act_and_mul(acc, up, act_alpha, act_limit, ACTIVATION, CLAMP)
+        else:
+            acc = act_no_mul(acc, ACTIVATION)
+        if QUANT_OUT:
+            NUM_G: tl.constexpr = BLOCK_N // GROUP_OUT
+            acc = tl.where(mask_n[None, :], acc, 0.0)
+            groups = tl.reshape(acc, (BLOCK_M, NUM_G, GROUP_OUT))  # [BM, G, GROUP_OUT]
+            scale = fp8_scale(tl.max(abs_no_nan(groups), axis=2), quant_eps, FP8_MAX, False)  # [BM, G]
+            q = to_fp8(groups, tl.broadcast_to(scale[:, :, None], (BLOCK_M, NUM_G, GROUP_OUT)), FP8_MAX)
+            acc = tl.reshape(q, (BLOCK_M, BLOCK_N))
+            offs_g = pid_n.to(tl.int64) * NUM_G + tl.arange(0, NUM_G)  # [G]
+            scale_ptrs = out_scale_ptrs[:, None] + offs_g[None, :] * stride_osg  # [BM, G]
+            tl.store(scale_ptrs, scale, mask=mask_m[:, None] & (offs_g * GROUP_OUT < N)[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if MUL_ROUTED_WEIGHT:
+            acc = acc * weight[:, None]
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

@@ -1,0 +1,22 @@
+"""Host-side size arithmetic of the launchers, and the bound on mapped expert ids."""
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil(a / b); ``triton.cdiv`` is a constexpr function, slow to call from Python."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """Host-side smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def check_num_local_experts(num_local_experts: int | None, expert_map: object, num_experts: int) -> int:
+    """The bound on mapped expert ids: ``num_local_experts``, required with an ``expert_map``;
+    without one, ids are local ids and the bound is ``num_experts``."""
+    if expert_map is None:
+        return num_experts
+    if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or num_local_experts < 0:
+        raise ValueError(f"expert_map needs num_local_experts, a non-negative int; got {num_local_experts!r}")
+    return num_local_experts
