@@ -32,11 +32,21 @@ def _default_spec(quant_config: FusedMoEQuantConfig) -> KernelSpec:
     return spec
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def takes_op_path(args: LayerArgs) -> bool:
     """Whether the call must go through the custom op: under torch.compile (the op is what gets
-    traced), on the meta device (the op's fake computes the shapes), or when autograd would
-    record it (the op's formula says the layer is inference-only)."""
-    if torch.compiler.is_compiling() or args.hidden_states.is_meta:
+    traced), on the meta device or under a dispatch mode (FakeTensorMode, FlopCounterMode, a
+    user's TorchDispatchMode: the mode must see the op), with a tensor subclass among the tensors,
+    or when autograd would record it (the op's formula says the layer is inference-only). Raises
+    TypeError naming the argument when one of the five tensors is not a tensor."""
+    for name, t in zip(LayerArgs._fields, args[:5]):
+        if type(t) not in _PLAIN_TENSORS:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            return True
+    if torch.compiler.is_compiling() or args.hidden_states.is_meta or torch._C._len_torch_dispatch_stack():
         return True
     return torch.is_grad_enabled() and any(t.requires_grad for t in args[:5])
 
