@@ -114,6 +114,9 @@ def fused_experts(
     """
     args = LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options)
     quant_config = quant_config or _NO_QUANT
+    if type(quant_config) is not FusedMoEQuantConfig:
+        raise TypeError(f"quant_config must be a tmoe.FusedMoEQuantConfig (e.g. FusedMoEQuantConfig(torch.float8_e4m3fn)), "
+                        f"got {quant_config!r}")
     if takes_op_path(args):
         return run_layer_op(args, _default_spec_args(quant_config), inplace)
     return run_layer(args, _default_spec(quant_config), inplace)
