@@ -5,16 +5,10 @@ Stages: ``moe_align_block_size`` -> ``moe_gemm_up`` (up/gate + activation) -> ``
 kernels < config < modular < ops < face (this package's top level, integrations); tools and
 testing sit beside the library and are never imported by it.
 """
-import os as _os
+from tmoe.runtime.interpreter import interpreted_definitions as _interpreted_definitions
 
-import torch as _torch
-
-if not _torch.cuda.is_available():
-    # Triton has no CPU backend: without a GPU the kernels run under its interpreter (set before
-    # any @triton.jit is defined; an explicit TRITON_INTERPRET wins).
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from tmoe import ops as _ops  # noqa: E402,F401  (registers torch.ops.tmoe.*)
+with _interpreted_definitions():  # no GPU: tmoe's @triton.jit kernels are interpreted, nobody else's
+    from tmoe import ops as _ops  # noqa: F401  (registers torch.ops.tmoe.*; imports every kernel)
 from tmoe.config import GemmConfig, MoEConfig, get_config, override_config, override_pdl, override_route  # noqa: E402
 from tmoe.fused import fused_experts  # noqa: E402
 from tmoe.layer import FusedMoE, FusedMoEModularKernel  # noqa: E402

@@ -16,6 +16,11 @@ USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | bench-train 
   tables  the benchmark tables from one run's bench_moe.csv rows; tables -h for options
 """
 
+DEMO_USAGE = """usage: python -m tmoe demo
+
+  a random MoE layer run eager, compiled and (GPU) as a CUDA graph, each checked against the
+  float32 reference, with error and time (no options)"""
+
 
 def main(argv: list[str]) -> int:
     command, rest = (argv[0], argv[1:]) if argv else ("demo", [])
@@ -35,6 +40,12 @@ def main(argv: list[str]) -> int:
 
         return bench_train_main(rest) or 0
     if command == "tune":
+        import torch
+
+        if not torch.cuda.is_available() and not {"-h", "--help"} & set(rest):
+            print("tune times compiled kernels on a GPU: it needs a CUDA device (none found); on CPU the "
+                  "heuristic configs and the shipped tables are used", file=sys.stderr)
+            return 2
         from tmoe.tools.tune import main as tune_main
 
         return tune_main(rest) or 0
@@ -42,6 +53,9 @@ def main(argv: list[str]) -> int:
         from tmoe.tools.tables import main as tables_main
 
         return tables_main(rest)
+    if command == "demo" and {"-h", "--help"} & set(rest):
+        print(DEMO_USAGE)
+        return 0
     if command == "demo" and not rest:
         from tmoe.tools.demo import run_demo
 

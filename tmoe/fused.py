@@ -33,11 +33,21 @@ def _default_spec(quant_config: FusedMoEQuantConfig) -> KernelSpec:
     return spec
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def takes_op_path(args: LayerArgs) -> bool:
     """Whether the call must go through the custom op: under torch.compile (the op is what gets
-    traced), on the meta device (the op's fake computes the shapes), or when autograd would
-    record it (the op's autograd formula runs the backward)."""
-    if torch.compiler.is_compiling() or args.hidden_states.is_meta:
+    traced), on the meta device or under a dispatch mode (FakeTensorMode, FlopCounterMode, a
+    user's TorchDispatchMode: the mode must see the op), with a tensor subclass among the tensors,
+    or when autograd would record it (the op's autograd formula runs the backward). Raises
+    TypeError naming the argument when one of the five tensors is not a tensor."""
+    for name, t in zip(LayerArgs._fields, args[:5]):
+        if type(t) not in _PLAIN_TENSORS:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            return True
+    if torch.compiler.is_compiling() or args.hidden_states.is_meta or torch._C._len_torch_dispatch_stack():
         return True
     return needs_grad(args)
 
@@ -107,6 +117,9 @@ def fused_experts(
     """
     args = LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options)
     quant_config = quant_config or _NO_QUANT
+    if type(quant_config) is not FusedMoEQuantConfig:
+        raise TypeError(f"quant_config must be a tmoe.FusedMoEQuantConfig (e.g. FusedMoEQuantConfig(torch.float8_e4m3fn)), "
+                        f"got {quant_config!r}")
     if takes_op_path(args):
         return run_layer_op(args, _default_spec_args(quant_config), inplace)
     return run_layer(args, _default_spec(quant_config), inplace)

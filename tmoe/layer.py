@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tmoe.kernels.checks import positive_int
+from tmoe.kernels.checks import FLOAT_DTYPES, positive_int
 from tmoe.kernels.activation import w1_rows_per_n
 from tmoe.fused import takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
@@ -17,7 +17,7 @@ from tmoe.modular import (
     TritonExperts,
 )
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_activation
+from tmoe.modular.checks import check_activation, check_routing
 from tmoe.modular.kernel import default_chunk_size
 
 
@@ -54,10 +54,14 @@ class FusedMoEModularKernel(nn.Module):
         """Compile every kernel variant for 1..max_tokens tokens (powers of two and max_tokens)
         on random data, so nothing JITs during CUDA-graph capture."""
         e, k = w1.shape[0], w2.shape[1]  # w2 (E, K, N): K unpacked in every weight layout
+        if "dtype" not in kwargs and w1.dtype in FLOAT_DTYPES and w1.dtype != torch.bfloat16:
+            raise TypeError(f"warmup runs bfloat16 activations by default but w1 is {w1.dtype}: pass dtype={w1.dtype}")
         dtype = kwargs.pop("dtype", torch.bfloat16)
         sizes = sorted({1 << i for i in range(max_tokens.bit_length())} | {max_tokens})
         num_experts = kwargs.get("global_num_experts", -1)
         num_experts = num_experts if num_experts > 0 else e
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"topk must be in [1, num_experts={num_experts}], got {topk}")
         for m in sizes:
             x = torch.randn(m, k, dtype=dtype, device=w1.device)
             weights, ids = torch.topk(torch.randn(m, num_experts, device=w1.device).softmax(-1), topk)
@@ -104,6 +108,9 @@ class FusedMoE(nn.Module):
         if not 1 <= positive_int("topk", topk) <= e:
             raise ValueError(f"topk must be in [1, num_experts={e}], got {topk}")
         check_activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+        check_routing(e, topk, scoring, num_expert_group, topk_group)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be one of {FLOAT_DTYPES} (the experts' and router's dtype), got {dtype}")
         self.activation = activation
         self.act_options = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                 gate_up_interleaved=gate_up_interleaved)
@@ -128,6 +135,11 @@ class FusedMoE(nn.Module):
                      router_weight: torch.Tensor | None = None, **kwargs) -> "FusedMoE":
         """Build from per-expert linear weights: gate/up (intermediate, hidden), down (hidden,
         intermediate); ``up`` empty for a *_no_mul activation (``gate`` is then the up projection)."""
+        if not isinstance(gate, (list, tuple)) or not gate:
+            raise ValueError("from_experts needs at least one expert: gate must be a non-empty list of "
+                             "(intermediate, hidden) tensors")
+        if len(down) != len(gate) or (up and len(up) != len(gate)):
+            raise ValueError(f"gate, up and down must list the same experts: got {len(gate)}, {len(up)}, {len(down)}")
         n, k = gate[0].shape
         layer = cls(len(gate), k, n, topk, router=router_weight is not None, dtype=gate[0].dtype,
                     device=gate[0].device, **kwargs)
@@ -153,12 +165,15 @@ class FusedMoE(nn.Module):
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states (..., hidden) -> (..., hidden); router_logits (tokens, E) if no router."""
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        if x.dtype != self.w1.dtype and self.w1.dtype in FLOAT_DTYPES:
+            raise TypeError(f"hidden_states has dtype {x.dtype} but this FusedMoE's weights are {self.w1.dtype}: "
+                            f"cast the input (x.to({self.w1.dtype})) or build the layer with dtype={x.dtype}")
         if router_logits is None:
             if self.router_weight is None:
                 raise ValueError("router_logits must be given to a FusedMoE built without a router")
             router_logits = F.linear(x, self.router_weight)
-        elif router_logits.dim() != 2 or router_logits.shape[-1] != self.num_experts:
-            raise ValueError(f"router_logits must be (tokens, num_experts={self.num_experts}), "
+        elif router_logits.dim() != 2 or router_logits.shape != (x.shape[0], self.num_experts):
+            raise ValueError(f"router_logits must be (tokens={x.shape[0]}, num_experts={self.num_experts}), "
                              f"got shape {tuple(router_logits.shape)}")
         weights, ids = self.route(router_logits)
         ep = {} if self.expert_parallel is None else {"global_num_experts": self.num_experts,

@@ -102,10 +102,21 @@ def _inplace(make_x):
     return call
 
 
-def _backward():
+def _grad_through(kernel: tmoe.FusedMoEModularKernel):
+    """A call that needs gradients through ``kernel`` (refused before any launch when it has no backward)."""
+    def call():
+        p = _p()
+        return kernel(p.x.clone().requires_grad_(True), p.w1, p.w2, p.topk_weights, p.topk_ids)
+    return call
+
+
+def _grad_through_fp8():
     p = _p()
-    x = p.x.clone().requires_grad_(True)
-    tmoe.fused_experts(x, p.w1, p.w2, p.topk_weights, p.topk_ids).sum().backward()
+    w1q, s1 = tmoe.quantize_weight_per_channel_fp8(p.w1)
+    w2q, s2 = tmoe.quantize_weight_per_channel_fp8(p.w2)
+    qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True, per_out_ch_quant=True)
+    return tmoe.fused_experts(p.x.clone().requires_grad_(True), w1q, w2q, p.topk_weights, p.topk_ids, quant_config=qc,
+                              w1_scale=s1, w2_scale=s2)
 
 
 def _router_logits_mismatch():
@@ -247,8 +258,12 @@ ROWS = [
     Row("inplace-nonleaf-requires-grad", _inplace(lambda p: p.x.clone().requires_grad_(True) * 1.0), RuntimeError,
         "requires grad"),
     Row("inplace-expanded", _inplace(lambda p: p.x[:1].clone().expand(M, K)), RuntimeError, "overlap"),
-    Row("backward", _backward, RuntimeError, "inference-only"),
-    Row("router_logits-experts", _router_logits_mismatch, ValueError, r"router_logits must be \(tokens, num_experts=4\)"),
+    Row("backward-batched", _grad_through(tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(M * TOPK, E),
+                                                                     tmoe.BatchedTritonExperts(M * TOPK))),
+        NotImplementedError, "'batched' PrepareAndFinalize with 'batched_triton' experts has no backward"),
+    Row("backward-fp8", _grad_through_fp8, NotImplementedError,
+        r"gradients through quantized expert weights \(float8_e4m3fn\) are not supported"),
+    Row("router_logits-experts", _router_logits_mismatch, ValueError, r"router_logits must be \(tokens=3, num_experts=4\)"),
     Row("fusedmoe-topk", lambda: tmoe.FusedMoE(4, K, N, 5), ValueError, "topk must be in"),
     Row("chunk_size-zero", _modular(tmoe.NoEPPrepareAndFinalize, tmoe.TritonExperts, 0), ValueError, "chunk_size"),
     Row("chunk_size-env", lambda: _subprocess(
@@ -275,6 +290,27 @@ ROWS = [
     Row("mxfp4-blocks-shape", lambda: tmoe.mxfp4_from_blocks(torch.zeros(2, 4, 3, 16, dtype=torch.uint8),
                                                              torch.zeros(2, 4, 2, dtype=torch.uint8)), ValueError,
         "blocks"),
+    Row("topk_ids-list", _fe(topk_ids=lambda p: p.topk_ids.tolist()), TypeError, "topk_ids must be a torch.Tensor"),
+    Row("quant_config-str", _fe(quant_config="fp8"), TypeError, "quant_config must be a tmoe.FusedMoEQuantConfig"),
+    Row("fusedmoe-input-dtype", lambda: tmoe.FusedMoE(4, K, N, 2, device=DEVICE)(torch.randn(3, K, device=DEVICE)),
+        TypeError, r"hidden_states has dtype torch.float32 but this FusedMoE's weights are torch.bfloat16"),
+    Row("fusedmoe-dtype-float64", lambda: tmoe.FusedMoE(4, K, N, 2, dtype=torch.float64), TypeError,
+        "dtype must be one of"),
+    Row("fusedmoe-router_logits-tokens", lambda: tmoe.FusedMoE(4, K, N, 2, router=False, dtype=torch.float32)(
+        torch.randn(3, K), router_logits=torch.randn(5, 4)), ValueError, r"router_logits must be \(tokens=3"),
+    Row("fusedmoe-scoring", lambda: tmoe.FusedMoE(4, K, N, 2, scoring="softmaxx"), ValueError,
+        "scoring must be one of"),
+    Row("fusedmoe-expert-groups", lambda: tmoe.FusedMoE(6, K, N, 2, num_expert_group=4, topk_group=2), ValueError,
+        "num_expert_group=4 must divide num_experts=6"),
+    Row("warmup-topk", lambda: tmoe.FusedMoE(4, K, N, 2, dtype=torch.float32).kernel.warmup(
+        4, torch.randn(4, 2 * N, K), torch.randn(4, K, N), 5, dtype=torch.float32), ValueError,
+        r"topk must be in \[1, num_experts=4\]"),
+    Row("warmup-float32-no-dtype", lambda: tmoe.FusedMoE(4, K, N, 2, dtype=torch.float32).kernel.warmup(
+        4, torch.randn(4, 2 * N, K), torch.randn(4, K, N), 2), TypeError, "pass dtype=torch.float32"),
+    Row("from_experts-empty", lambda: tmoe.FusedMoE.from_experts([], [], [], 2), ValueError,
+        "from_experts needs at least one expert"),
+    Row("replace_moe_blocks-dict", lambda: __import__("tmoe.integrations.transformers", fromlist=["x"])
+        .replace_moe_blocks({}), TypeError, "model must be a torch.nn.Module"),
     Row("batched-capacity-zero", lambda: tmoe.BatchedPrepareAndFinalize(0, 2), ValueError, "max_num_tokens"),
     Row("batched-capacity-mismatch", _modular(lambda: tmoe.BatchedPrepareAndFinalize(6, 2),
                                               lambda: tmoe.BatchedTritonExperts(8)), ValueError, "capacity"),

@@ -81,6 +81,8 @@ def replace_moe_blocks(model: nn.Module, strict: bool = False, expert_parallel: 
         model = transformers.AutoModelForCausalLM.from_pretrained("allenai/OLMoE-1B-7B-0924")
         replace_moe_blocks(model, strict=True)
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
     if _version(transformers.__version__) < MIN_TRANSFORMERS:
         raise RuntimeError(f"replace_moe_blocks needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}; "
                            f"found {transformers.__version__}")

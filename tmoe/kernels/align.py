@@ -228,7 +228,8 @@ def moe_align_block_size(
             outside [0, num_local_experts) becomes -1 (remote: the GEMMs write zeros).
         expert_offsets: optional (E + 1,) int32 output: each expert's first position in
             ``sorted_token_ids``, then the padded length.
-        num_local_experts: the local expert count, required with ``expert_map``.
+        num_local_experts: the local expert count with ``expert_map`` (None: ``num_experts``, vLLM's
+            contract; mapped ids at or past the true count are then not caught).
 
     Returns:
         sorted_token_ids (int32, ``numel + E*(block_size-1)``, capped at ``numel*block_size``):

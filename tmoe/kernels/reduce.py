@@ -74,7 +74,8 @@ def moe_reduce(
             [0, num_local_experts) (-1: remote) skips the slot.
         out: optional (M, K) output, ``y.dtype`` by default.
         rows: optional (M, topk) int32, contiguous: slot (m, t) reads y[rows[m, t]]; -1 skips it.
-        num_local_experts: the local expert count, required with ``expert_map``.
+        num_local_experts: the local expert count with ``expert_map`` (None: ``num_experts``, vLLM's
+            contract; mapped ids at or past the true count are then not caught).
 
     Returns:
         (M, K) tensor.

@@ -13,10 +13,11 @@ def next_power_of_2(n: int) -> int:
 
 
 def check_num_local_experts(num_local_experts: int | None, expert_map: object, num_experts: int) -> int:
-    """The bound on mapped expert ids: ``num_local_experts``, required with an ``expert_map``;
-    without one, ids are local ids and the bound is ``num_experts``."""
-    if expert_map is None:
+    """The bound on mapped expert ids: ``num_local_experts`` when given; else ``num_experts``
+    (vLLM's contract, which passes none: a map holds local ids below it, and reading the true
+    count from the map would sync). Without a map, ids are local ids and the bound is ``num_experts``."""
+    if expert_map is None or num_local_experts is None:
         return num_experts
     if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or num_local_experts < 0:
-        raise ValueError(f"expert_map needs num_local_experts, a non-negative int; got {num_local_experts!r}")
+        raise ValueError(f"num_local_experts must be a non-negative int, got {num_local_experts!r}")
     return num_local_experts

@@ -9,6 +9,7 @@ import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
 from tmoe.kernels.activation import ACTIVATIONS, w1_rows_per_n
+from tmoe.kernels.router import SCORINGS
 from tmoe.kernels.operands import check_low_bit_operand, codes_per_byte
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig
@@ -203,3 +204,19 @@ def check_no_overlap(hidden_states: torch.Tensor) -> None:
     if hidden_states.numel() > 1 and torch._debug_has_internal_overlap(hidden_states) == 1:
         raise RuntimeError("inplace=True on hidden_states whose elements overlap in memory (an expanded tensor); "
                            "clone it first, as torch's in-place ops require")
+
+
+def check_routing(num_experts: int, topk: int, scoring: str, num_expert_group: int, topk_group: int) -> None:
+    """A router's options, checked when the layer is built (0 groups: no grouped top-k)."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    if bool(num_expert_group) != bool(topk_group):
+        raise ValueError("num_expert_group and topk_group must be given together")
+    if num_expert_group:
+        if num_experts % num_expert_group:
+            raise ValueError(f"num_expert_group={num_expert_group} must divide num_experts={num_experts}")
+        if not 1 <= topk_group <= num_expert_group:
+            raise ValueError(f"topk_group must be in [1, num_expert_group={num_expert_group}], got {topk_group}")
+        if topk > topk_group * (num_experts // num_expert_group):
+            raise ValueError(f"topk={topk} exceeds the {topk_group * (num_experts // num_expert_group)} experts "
+                             f"of topk_group groups")

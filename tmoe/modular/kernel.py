@@ -25,7 +25,8 @@ from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 DEFAULT_CHUNK_SIZE = 32768
 MAX_CALL_PLANS = 4096  # per modular kernel; cleared when full (plans hold sizes, no tensors)
-SPEC_SCHEMA = ("str prepare_finalize, int[] prepare_finalize_args, str group_name, str experts, int[] experts_args, "
+# the int lists are optional, None for an empty one: an AOTInductor package passes an empty int[] as None
+SPEC_SCHEMA = ("str prepare_finalize, int[]? prepare_finalize_args, str group_name, str experts, int[]? experts_args, "
                "str? quant_dtype, bool per_act_token_quant, bool per_out_ch_quant, int[]? block_shape, str? weight_dtype, int group_size, int chunk_size")
 
 
@@ -87,16 +88,16 @@ class KernelSpec:
 
     def as_args(self) -> tuple:
         """The layer op's trailing arguments (``SPEC_SCHEMA``)."""
-        return (self.prepare_finalize, list(self.prepare_finalize_args), self.group_name, self.experts,
-                list(self.experts_args), *self.quant.as_args(), self.chunk_size)
+        return (self.prepare_finalize, list(self.prepare_finalize_args) or None, self.group_name, self.experts,
+                list(self.experts_args) or None, *self.quant.as_args(), self.chunk_size)
 
     @classmethod
-    def from_args(cls, pf: str, pf_args: list[int], group_name: str, experts: str, experts_args: list[int],
-                  quant_dtype: str | None, per_act_token: bool, per_out_ch: bool, block_shape: list[int] | None,
-                  weight_dtype: str | None, group_size: int, chunk_size: int) -> KernelSpec:
+    def from_args(cls, pf: str, pf_args: list[int] | None, group_name: str, experts: str,
+                  experts_args: list[int] | None, quant_dtype: str | None, per_act_token: bool, per_out_ch: bool,
+                  block_shape: list[int] | None, weight_dtype: str | None, group_size: int, chunk_size: int) -> KernelSpec:
         quant = FusedMoEQuantConfig.from_args(quant_dtype, per_act_token, per_out_ch, block_shape, weight_dtype,
                                               group_size)
-        return cls(pf, tuple(pf_args), group_name, experts, tuple(experts_args), quant, chunk_size)
+        return cls(pf, tuple(pf_args or ()), group_name, experts, tuple(experts_args or ()), quant, chunk_size)
 
 
 class CallPlan(NamedTuple):

@@ -17,6 +17,14 @@ the unpatched interpreter still shows each fault, so a fixed one is noticed and 
   return int1 (bool) results, as on a GPU.
 * numpy prints RuntimeWarnings for IEEE special values a GPU handles silently (``exp(-inf)``,
   ``inf - inf``): silenced with ``np.errstate``.
+* ``@triton.jit`` decides at definition whether a function is interpreted (``TRITON_INTERPRET``
+  then): when Triton was imported before tmoe without it, ``triton.language``'s own jit helpers
+  (``tl.sum``, ``tl.cdiv``, ...) are compiled-only and raise when an interpreted kernel calls them.
+  A jit function called inside a tmoe launch runs interpreted. tmoe's own kernels are defined
+  interpreted on a machine without a GPU (``interpreted_definitions``) whatever the environment
+  says, without setting ``TRITON_INTERPRET`` for anybody else.
+* The interpreter is not thread-safe (it patches ``triton.language`` for each launch): tmoe's
+  interpreted launches take one process-wide lock, so threaded callers get right answers.
 
 ``interpreter_fixes`` swaps the patched functions in for the duration of a launch and puts the
 originals back, so other Triton code in the process sees the interpreter unchanged; on a GPU
@@ -30,13 +38,17 @@ import functools
 import threading
 from typing import Callable, Iterator, TypeVar
 
+import torch
 import triton
 
-INTERPRETED = bool(triton.knobs.runtime.interpret)  # what @triton.jit decided for tmoe's kernels
+# Triton has no CPU backend: without a GPU tmoe's kernels run under the interpreter (an explicit
+# TRITON_INTERPRET=1 interprets them on a GPU machine too)
+INTERPRETED = bool(triton.knobs.runtime.interpret) or not torch.cuda.is_available()
 
 F = TypeVar("F", bound=Callable)
 
 _lock = threading.Lock()
+_launch_lock = threading.RLock()  # one interpreted tmoe launch (or layer call) at a time, process-wide
 _active = threading.local()  # .on: this thread is inside interpreter_fixes (nested entries are free)
 _depth = 0
 _installed = False
@@ -61,6 +73,7 @@ def _build_patches() -> list[tuple[object, str, object]]:
     int_views = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     round_to_nearest = (None, interp._ir.ROUNDING_MODE.RTNE)
     original_convert = interp._convert_float
+    interpreted: dict[object, object] = {}  # a compiled-only jit function -> its interpreted twin
     original_dot = interp.InterpreterBuilder.create_dot
 
     def convert_float(data, input_dtype, output_dtype, rounding_mode):
@@ -92,8 +105,16 @@ def _build_patches() -> list[tuple[object, str, object]]:
 
         return create_cmp
 
+    def call_jit_function(self, *args, **kwargs):
+        """A compiled-only ``@triton.jit`` function called from an interpreted kernel, interpreted."""
+        twin = interpreted.get(self.fn)
+        if twin is None:
+            twin = interpreted[self.fn] = interp.InterpretedFunction(self.fn)
+        return twin(*args, **kwargs)
+
     builder = interp.InterpreterBuilder
-    return [(interp, "_convert_float", convert_float), (builder, "create_dot", create_dot)] + [
+    return [(interp, "_convert_float", convert_float), (builder, "create_dot", create_dot),
+            (triton.runtime.jit.JITFunction, "__call__", call_jit_function)] + [
         (builder, name, boolean(getattr(builder, name))) for name in _CMP_OPS
     ]
 
@@ -131,14 +152,35 @@ def interpreter_fixes() -> Iterator[None]:
         return
     import numpy as np
 
-    _swap_in()
-    _active.on = True
+    with _launch_lock:
+        _swap_in()
+        _active.on = True
+        try:
+            with np.errstate(all="ignore"):
+                yield
+        finally:
+            _active.on = False
+            _swap_out()
+
+
+@contextlib.contextmanager
+def interpreted_definitions() -> Iterator[None]:
+    """``@triton.jit`` in the block defines interpreted functions when ``INTERPRETED`` (tmoe's
+    kernel modules are imported in it); the knob and ``TRITON_INTERPRET`` are put back after."""
+    if not INTERPRETED or triton.knobs.runtime.interpret:
+        yield
+        return
+    import os
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # the knob reads the environment when @triton.jit runs
     try:
-        with np.errstate(all="ignore"):
-            yield
+        yield
     finally:
-        _active.on = False
-        _swap_out()
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def install_interpreter_fixes() -> None:
