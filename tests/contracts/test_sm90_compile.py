@@ -15,12 +15,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = (
     "_align_count_kernel _align_scan_kernel _align_scatter_kernel _align_single_kernel _align_sort_kernel "
     "_batched_dispatch_kernel "
-    "_moe_down_reduce_kernel _moe_fused_decode_kernel _moe_gemm_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
-    "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_kernel _zero_kernel"
+    "_moe_down_reduce_kernel _moe_fused_decode_kernel _moe_gemm_kernel _moe_grad_act_kernel _moe_grad_input_kernel "
+    "_moe_grad_weight_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
+    "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_grad_kernel _topk_route_kernel _zero_kernel"
 ).split()
 
 # launched with launch_pdl and compiled with gdc_wait / gdc_launch_dependents under override_pdl(True)
-PDL_KERNELS = sorted(set(KERNELS) - {"_batched_dispatch_kernel", "_topk_route_kernel", "_zero_kernel"})
+PDL_KERNELS = sorted(set(KERNELS) - {"_batched_dispatch_kernel", "_topk_route_kernel", "_zero_kernel", "_moe_grad_act_kernel",
+                                      "_moe_grad_input_kernel", "_moe_grad_weight_kernel", "_topk_route_grad_kernel"})
 
 # tmoe.testing.sm90: a stand-in CUDA driver reports an sm_90 device; launches only compile, nothing runs.
 SCRIPT = textwrap.dedent("""
@@ -81,6 +83,12 @@ SCRIPT = textwrap.dedent("""
         tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
     batched = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(16, 4), tmoe.BatchedTritonExperts(16))
     batched(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    # the backward kernels: the layer's (with biases, swigluoai interleaved) and the router's
+    train = [t.clone().requires_grad_() for t in (p.x, p.w1, p.w2, p.topk_weights)]
+    b1, b2 = torch.zeros(4, 256, requires_grad=True), torch.zeros(4, 256, requires_grad=True)
+    tmoe.fused_experts(*train[:3], train[3], p.topk_ids, activation="swigluoai", gate_up_interleaved=True,
+                       w1_bias=b1, w2_bias=b2).sum().backward()
+    tmoe.topk_route(torch.randn(9, 16, requires_grad=True), 2)[0].sum().backward()
     tmoe.per_token_quant_fp8(p.x)
     tmoe.static_quant_fp8(p.x, torch.ones(1))
     tmoe.topk_route(torch.randn(9, 16), 2, scoring="sigmoid", num_expert_group=4, topk_group=2,

@@ -35,15 +35,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from typing import Callable, Iterator, TypeVar
 
 import torch
 import triton
 
-# Triton has no CPU backend: without a GPU tmoe's kernels run under the interpreter (an explicit
-# TRITON_INTERPRET=1 interprets them on a GPU machine too)
-INTERPRETED = bool(triton.knobs.runtime.interpret) or not torch.cuda.is_available()
+# Triton has no CPU backend: without a GPU tmoe's kernels run under the interpreter. An explicit
+# TRITON_INTERPRET decides either way (1 interprets them on a GPU machine too; 0 compiles them without
+# one, as tmoe.testing.sm90's compile-only runs need)
+_EXPLICIT = os.environ.get("TRITON_INTERPRET")
+INTERPRETED = (_EXPLICIT.strip().lower() in ("1", "true", "on", "yes") if _EXPLICIT is not None
+               else not torch.cuda.is_available())
 
 F = TypeVar("F", bound=Callable)
 
@@ -170,8 +174,6 @@ def interpreted_definitions() -> Iterator[None]:
     if not INTERPRETED or triton.knobs.runtime.interpret:
         yield
         return
-    import os
-
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # the knob reads the environment when @triton.jit runs
     try:
