@@ -28,7 +28,7 @@ _ACTIVATION_TYPES = {type(ACT2FN[name]): act for name, act in _HF_ACTIVATIONS.it
 _NO_MUL = {"silu": "silu_no_mul", "gelu": "gelu_no_mul"}
 _RELU2 = type(ACT2FN["relu2"]) if "relu2" in ACT2FN else None
 
-# ``_apply_gate`` overrides, by qualified name, and what tmoe runs for each. "act": act_fn(gate) * up
+# ``_apply_gate`` by the class that defines it (transformers' default: "_default_apply_gate"), and what tmoe runs for each. "act": act_fn(gate) * up
 # (Beam's computes it in float32, as tmoe's epilogue does); "clamped": min(act_fn(gate), limit) *
 # clamp(up, ±limit) with the module's ``limit`` (None: unclamped); a pair: swigluoai with the module's
 # (alpha, limit) attributes. Any other override makes the module run its own forward.
@@ -109,6 +109,14 @@ def is_registry_class(cls: type) -> bool:
     return code is not None and code.co_filename == hf_moe.__file__
 
 
+def _gate_name(cls: type) -> str:
+    """``<defining class>._apply_gate``, or ``_default_apply_gate`` for transformers' own (read off
+    the class dictionaries: a function's ``__qualname__`` does not trace under torch.compile)."""
+    owner = next(c for c in cls.__mro__ if "_apply_gate" in vars(c))
+    return "_default_apply_gate" if vars(owner)["_apply_gate"] is hf_moe._default_apply_gate else \
+        f"{owner.__name__}._apply_gate"
+
+
 def _no_mul(act_fn: object) -> str | None:
     if _RELU2 is not None and isinstance(act_fn, _RELU2):
         return "relu2_no_mul"
@@ -126,7 +134,7 @@ def layout_of(experts: nn.Module) -> ExpertsLayout | str:
     if not (isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor) and w1.dim() == w2.dim() == 3):
         return f"needs 3-D {up} and down_proj tensors"
     if gated:
-        name = getattr(type(experts)._apply_gate, "__qualname__", "")
+        name = _gate_name(type(experts))
         if name not in GATES:
             return f"its gating {name} is not one tmoe computes"
         layout = gating(experts, GATES[name], getattr(experts, "act_fn", None))
