@@ -11,6 +11,7 @@ and the module's ``act_fn``; ``ExpertsLayout`` carries the decision.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -109,12 +110,17 @@ def is_registry_class(cls: type) -> bool:
     return code is not None and code.co_filename == hf_moe.__file__
 
 
+def eager_forward(cls: type) -> Callable[..., torch.Tensor]:
+    """The class's own experts forward, under the registry's dispatch (on ``cls`` or a base class)."""
+    return next(vars(c)["forward"].__wrapped__ for c in cls.__mro__ if is_registry_class(c) and "forward" in vars(c))
+
+
 def _gate_name(cls: type) -> str:
     """``<defining class>._apply_gate``, or ``_default_apply_gate`` for transformers' own (read off
     the class dictionaries: a function's ``__qualname__`` does not trace under torch.compile)."""
     owner = next(c for c in cls.__mro__ if "_apply_gate" in vars(c))
-    return "_default_apply_gate" if vars(owner)["_apply_gate"] is hf_moe._default_apply_gate else \
-        f"{owner.__name__}._apply_gate"
+    default = vars(owner)["_apply_gate"] is hf_moe._default_apply_gate
+    return "_default_apply_gate" if default else f"{owner.__name__}._apply_gate"
 
 
 def _no_mul(act_fn: object) -> str | None:

@@ -15,7 +15,7 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from tmoe.fused import fused_experts
-from tmoe.integrations.hf_layout import ExpertsLayout, layout_of
+from tmoe.integrations.hf_layout import ExpertsLayout, eager_forward, layout_of
 
 NAME = "tmoe"
 _WARNED: set[tuple[str, str]] = set()
@@ -54,7 +54,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     """
     layout = module_layout(self)
     if isinstance(layout, str):
-        return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+        return eager_forward(type(self))(self, hidden_states, top_k_index, top_k_weights)
     w1, w2, b1, b2 = layout.weights(self)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     out = fused_experts(x.to(w1.dtype), w1, w2, top_k_weights.reshape(x.shape[0], -1).float().contiguous(),
