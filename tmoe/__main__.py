@@ -1,15 +1,17 @@
-"""``python -m tmoe [demo|bench|bench-ep|tune|tables] ...``: the command-line tools in ``tmoe.tools``."""
+"""``python -m tmoe [demo|bench|bench-ep|bench-hf|tune|tables] ...``: the command-line tools in ``tmoe.tools``."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | tune ... | tables ... | -h]
+USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | bench-hf ... | tune ... | tables ... | -h]
 
   demo    (default) a random MoE layer run eager, compiled and (GPU) as a CUDA graph, each
           checked against the float32 reference, with error and time
   bench   the whole-layer benchmark against the roofline and peers (GPU); bench -h for options
   bench-ep  expert parallelism: all-gather vs all-to-all step, dispatch and combine times and
           bytes per rank (spawns --world-size processes, NCCL); bench-ep -h for options
+  bench-hf  transformers' experts implementations (tmoe, grouped_mm, eager): a decoder layer's
+          training step and compiled generate (GPU; --tiny on CPU); bench-hf -h for options
   tune    tile-config tuning into vLLM-named JSON tables (GPU); tune -h for options
   tables  the README's benchmark tables from one run's bench_moe.csv rows; tables -h for options
 """
@@ -28,6 +30,10 @@ def main(argv: list[str]) -> int:
         from tmoe.tools.bench_ep import main as bench_ep_main
 
         return bench_ep_main(rest) or 0
+    if command == "bench-hf":
+        from tmoe.tools.bench_hf import main as bench_hf_main
+
+        return bench_hf_main(rest)
     if command == "tune":
         from tmoe.tools.tune import main as tune_main
 
