@@ -1,15 +1,17 @@
-"""``python -m tmoe [demo|bench|bench-ep|bench-train|tune|tables] ...``: the command-line tools in ``tmoe.tools``."""
+"""``python -m tmoe [demo|bench|bench-ep|bench-hf|bench-train|tune|tables] ...``: the command-line tools in ``tmoe.tools``."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | bench-train ... | tune ... | tables ... | -h]
+USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | bench-hf ... | bench-train ... | tune ... | tables ... | -h]
 
   demo    (default) a random MoE layer run eager, compiled and (GPU) as a CUDA graph, each
           checked against the float32 reference, with error and time
   bench   the whole-layer benchmark against the roofline and peers (GPU); bench -h for options
   bench-ep  expert parallelism: all-gather vs all-to-all step, dispatch and combine times and
           bytes per rank (spawns --world-size processes, NCCL); bench-ep -h for options
+  bench-hf  transformers' experts implementations (tmoe, grouped_mm, eager): a decoder layer's
+          training step and compiled generate (GPU; --tiny on CPU); bench-hf -h for options
   tune    tile-config tuning into vLLM-named JSON tables (GPU); tune -h for options
   bench-train  forward+backward time and peak memory against the floor, grouped_mm and Liger (GPU;
           --tiny on CPU); bench-train -h for options

@@ -10,23 +10,14 @@ as they are).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from tmoe import ExpertParallel, FusedMoEModularKernel, FusedMoEQuantConfig, NoEPPrepareAndFinalize, TritonExperts
+from tmoe.integrations.hf_layout import ExpertsLayout, gating
 from tmoe.integrations.hf_mxfp4 import deinterleave_rows, mxfp4_mismatch, packed_mxfp4
-
-# Hugging Face activation names whose module computes one of tmoe's gate activations.
-_HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu",
-                   "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-                   "gelu_fast": "gelu_tanh", "gelu_accurate": "gelu_tanh"}
-_ACTIVATION_TYPES = {type(ACT2FN[name]): act for name, act in _HF_ACTIVATIONS.items() if name in ACT2FN}
-
 
 @dataclass(frozen=True)
 class ExpertsSpec:
@@ -81,13 +72,10 @@ SUPPORTED_EXPERTS: dict[str, ExpertsSpec] = {
 }
 
 
-def _act_fn(experts: nn.Module, spec: ExpertsSpec) -> object:
-    return getattr(experts.mlp, "activation_fn", None) if spec.dbrx else getattr(experts, "act_fn", None)
-
-
-def _tmoe_activation(act_fn: object) -> str | None:
-    """tmoe's name for a transformers activation module (or ``F.silu``); None if tmoe lacks it."""
-    return "silu" if act_fn is F.silu else _ACTIVATION_TYPES.get(type(act_fn))
+def _gating(experts: nn.Module, spec: ExpertsSpec) -> ExpertsLayout | str:
+    """The activation (and its alpha / clamp) of ``experts``, as the registry path reads it."""
+    act_fn = getattr(experts.mlp, "activation_fn", None) if spec.dbrx else getattr(experts, "act_fn", None)
+    return gating(experts, spec.swigluoai or "clamped", act_fn)
 
 
 def _shape(module: nn.Module, name: str) -> tuple[int, ...] | None:
@@ -129,25 +117,8 @@ def unsupported_reason(experts: nn.Module) -> str | None:
     mismatch = _layout_mismatch(experts, spec)
     if mismatch:
         return mismatch
-    if spec.swigluoai:
-        alpha, limit = (getattr(experts, name, None) for name in spec.swigluoai)
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (alpha, limit)) or limit <= 0:
-            return f"swigluoai needs a finite alpha and a positive finite limit, got ({alpha}, {limit})"
-        return None
-    act_fn = _act_fn(experts, spec)
-    activation = _tmoe_activation(act_fn)
-    if activation is None:
-        return f"activation {type(act_fn).__name__} is not one of tmoe's"
-    limit = _gate_limit(experts)
-    if limit is not None and (activation != "silu" or limit <= 0):
-        return f"clamps the activated gate (limit={limit}) of a {activation} gate; tmoe clamps silu by a positive limit"
-    return None
-
-
-def _gate_limit(experts: nn.Module) -> float | None:
-    """Step3p7 / BailingHybrid clamp after the activation: min(act(gate), limit) * clamp(up, ±limit)."""
-    limit = getattr(experts, "limit", None)
-    return float(limit) if isinstance(limit, (int, float)) and math.isfinite(limit) else None
+    layout = _gating(experts, spec)
+    return layout if isinstance(layout, str) else None
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -169,11 +140,11 @@ class TmoeExperts(nn.Module):
     def __init__(self, experts: nn.Module, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         spec = SUPPORTED_EXPERTS[type(experts).__name__]
-        self.activation = "swigluoai" if spec.swigluoai else _tmoe_activation(_act_fn(experts, spec))
-        alpha, limit = ((float(getattr(experts, name)) for name in spec.swigluoai) if spec.swigluoai
-                        else (None, _gate_limit(experts)))
-        interleaved = spec.interleaved and not spec.mxfp4  # packed mxfp4 rows are de-interleaved once
-        self.act_options = dict(swiglu_alpha=alpha, swiglu_limit=limit, gate_up_interleaved=interleaved)
+        layout = replace(_gating(experts, spec), transposed=spec.transposed, bias=spec.bias,
+                         interleaved=spec.interleaved and not spec.mxfp4)  # packed mxfp4 rows are de-interleaved once
+        options = layout.options()
+        self.activation = options.pop("activation")
+        self.act_options = options
         self.gate_up_proj_bias = self.down_proj_bias = self.gate_up_proj_scale = self.down_proj_scale = None
         quant = None
         if spec.mxfp4:
@@ -185,14 +156,14 @@ class TmoeExperts(nn.Module):
             mlp = experts.mlp
             w1, v1, w2 = (w.view(experts.num_experts, -1, w.shape[-1]) for w in (mlp.w1, mlp.v1, mlp.w2))
             self.gate_up_proj, self.down_proj = _frozen(torch.cat([w1, v1], 1)), _frozen(w2.transpose(1, 2))
-        elif spec.transposed:
-            self.gate_up_proj = _frozen(experts.gate_up_proj.transpose(1, 2))  # (E, 2I, H), rows as stored
-            self.down_proj = _frozen(experts.down_proj.transpose(1, 2))
+        elif spec.transposed:  # copied once, K-contiguous as the TMA loads want: this path is inference-only
+            w1, w2, self.gate_up_proj_bias, self.down_proj_bias = layout.weights(experts)
+            self.gate_up_proj, self.down_proj = _frozen(w1), _frozen(w2)
         else:
-            self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
-        if spec.bias:
+            self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias = layout.weights(experts)
+        if spec.mxfp4:
             b1 = experts.gate_up_proj_bias
-            self.gate_up_proj_bias = _frozen(deinterleave_rows(b1)) if spec.mxfp4 and spec.interleaved else b1
+            self.gate_up_proj_bias = _frozen(deinterleave_rows(b1)) if spec.interleaved else b1
             self.down_proj_bias = experts.down_proj_bias
         self.ep_options = {}
         parts = (NoEPPrepareAndFinalize(), TritonExperts(quant))

@@ -1,6 +1,12 @@
-"""Swap the experts of Hugging Face ``transformers`` MoE models for tmoe's kernel, in place.
+"""tmoe in Hugging Face ``transformers`` (5.x).
 
-transformers 5.x stores each sparse block's routed experts as 3-D tensors; ``SUPPORTED_EXPERTS``
+Importing this module registers ``"tmoe"`` in transformers' experts registry
+(``tmoe.integrations.hf_registry``): ``from_pretrained(..., experts_implementation="tmoe")``,
+``from_config(...)`` and ``model.set_experts_implementation("tmoe")`` then run every experts class
+that carries ``@use_experts_implementation`` on tmoe, for inference and training.
+
+``replace_moe_blocks`` covers what the registry does not (families without the decorator, fused
+router blocks) by swapping modules in place, for inference. ``SUPPORTED_EXPERTS``
 (in ``tmoe.integrations.hf_experts``) lists the classes tmoe runs and how each is laid out. The
 swap keeps each model's own router and shared experts, so routing is unchanged, and replaces
 only the routed expert computation with ``FusedMoEModularKernel``. Llama4, whose experts take
@@ -20,6 +26,9 @@ from tmoe import ExpertParallel
 from tmoe.integrations.hf_experts import (
     SUPPORTED_EXPERTS, TmoeExperts, TmoeLlama4TextMoe, TmoeMxfp4GptOssMLP, unsupported_reason,
 )
+from tmoe.integrations.hf_registry import register
+
+register()
 
 __all__ = ["SUPPORTED_EXPERTS", "TmoeExperts", "TmoeLlama4TextMoe", "TmoeMxfp4GptOssMLP", "replace_moe_blocks"]
 # The oldest release on which tests/test_transformers.py found every supported family it ships either

@@ -1,0 +1,110 @@
+"""``experts_implementation="tmoe"``: every experts class of the installed transformers that uses
+the registry gives eager's logits on a tiny random model; loading, switching and compiling work."""
+import re
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tmoe.integrations.transformers  # noqa: E402,F401  (registers "tmoe")
+from hf_tiny import FAMILIES, TINY, UNBUILT, experts_of, output, registry_classes, tiny_model  # noqa: E402
+from tmoe.integrations import hf_registry  # noqa: E402
+from tmoe.integrations.hf_layout import eager_forward, layout_of  # noqa: E402
+from tmoe.testing import assert_close  # noqa: E402
+
+VOCAB = FAMILIES["mixtral"].kwargs.get("vocab_size", 96)
+
+
+@pytest.mark.parametrize("experts", registry_classes())
+def test_registry_class_matches_eager(experts):
+    """Logits (or a text model's hidden states) with "tmoe" equal "eager" on the same weights."""
+    if experts in UNBUILT:
+        pytest.skip(f"{experts}: {UNBUILT[experts]}")
+    assert experts in TINY, f"{experts} uses the experts registry: add a tiny family for it to hf_tiny.FAMILIES"
+    name = TINY[experts]
+    model = tiny_model(name).eval()
+    assert experts_of(model, experts), f"the tiny {name} model has no {experts}"
+    tokens = torch.randint(3, VOCAB, (2, 5))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback warning is checked on its own below
+        eager = output(model, tokens)
+        model.set_experts_implementation("tmoe")
+        got = output(model, tokens)
+    assert model.config._experts_implementation == "tmoe" or any(
+        getattr(m, "config", None) is not None and m.config._experts_implementation == "tmoe"
+        for m in experts_of(model, experts))
+    assert_close(got, eager, torch.float32, name=f"{name} output")
+
+
+def test_from_pretrained_from_config_and_set(tmp_path):
+    """``from_pretrained``/``from_config`` take "tmoe"; ``set_experts_implementation`` switches a loaded model."""
+    model = tiny_model("qwen3_moe").eval()
+    model.save_pretrained(tmp_path)
+    tokens = torch.randint(3, VOCAB, (1, 6))
+    with torch.no_grad():
+        eager = model(tokens).logits
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="tmoe").eval()
+        assert loaded.config._experts_implementation == "tmoe"
+        assert_close(loaded(tokens).logits, eager, torch.float32)
+        fresh = transformers.AutoModelForCausalLM.from_config(model.config, experts_implementation="tmoe")
+        assert fresh.config._experts_implementation == "tmoe"
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="eager").eval()
+        reloaded.set_experts_implementation("tmoe")
+        assert_close(reloaded(tokens).logits, eager, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_compiled_model_matches_eager(name):
+    """``torch.compile`` of a block (fullgraph) and of the whole model keep working with "tmoe"."""
+    model = tiny_model(name).eval()
+    tokens = torch.randint(3, VOCAB, (1, 5))
+    x = torch.randn(1, 5, 64)
+    block = model.model.layers[0].mlp
+    with torch.no_grad():
+        eager_logits, eager_block = model(tokens).logits, block(x)
+        model.set_experts_implementation("tmoe")
+        compiled_block = torch.compile(block, fullgraph=True)(x)
+        compiled_logits = torch.compile(model)(tokens).logits
+    for got, want in ((compiled_block, eager_block), (compiled_logits, eager_logits)):
+        got, want = (t[0] if isinstance(t, tuple) else t for t in (got, want))
+        assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss", "nemotron_h"])
+def test_sentinel_ids_add_zero(name):
+    """Expert-parallel sentinel ids (>= num_experts) contribute exactly 0."""
+    model = tiny_model(name)
+    experts = experts_of(model, FAMILIES[name].experts)[0]
+    e = experts.down_proj.shape[0]
+    x = torch.randn(6, 64)
+    ids = torch.randint(0, e, (6, 2))
+    ids[::2, 1] = e + torch.arange(3)  # sentinels
+    weights = torch.rand(6, 2)
+    with torch.no_grad():
+        got = hf_registry.experts_forward(experts, x, ids, weights)
+        want = eager_forward(type(experts))(experts, x, ids.clamp(max=e - 1), weights * (ids < e))
+    assert_close(got, want, torch.float32)
+
+
+def test_unsupported_module_runs_its_own_forward_and_warns_once():
+    """An activation tmoe lacks: the class's own forward runs, with one warning naming why."""
+    model = tiny_model("mixtral", hidden_act="relu").eval()
+    tokens = torch.randint(3, VOCAB, (1, 5))
+    hf_registry._WARNED.clear()
+    with torch.no_grad():
+        eager = model(tokens).logits
+        model.set_experts_implementation("tmoe")
+        with pytest.warns(UserWarning, match=re.escape("MixtralExperts runs its own (eager) forward: activation ReLU")):
+            got = model(tokens).logits
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model(tokens)
+    assert torch.equal(got, eager)
+
+
+def test_post_expert_norm_is_named():
+    """``has_post_expert_norm`` is refused with that reason (its norm is not in tmoe's kernels)."""
+    experts = experts_of(tiny_model("muse_spark_text"), "MuseSparkExperts")[0]
+    assert "has_post_expert_norm" in layout_of(experts)

@@ -1,0 +1,112 @@
+"""Training through ``experts_implementation="tmoe"``: one backward gives eager's logits, loss and
+gradients (float32 rounding), PEFT LoRA on the experts gets eager's LoRA gradients, a compiled
+block trains, and after an optimizer step tmoe reads the updated weights. These need the layer's
+backward (autograd on ``tmoe::modular_forward``)."""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import tmoe.integrations.transformers  # noqa: E402,F401  (registers "tmoe")
+from hf_tiny import FAMILIES, TINY, UNBUILT, experts_of, output, registry_classes, tiny_model  # noqa: E402
+from tmoe.integrations.hf_layout import layout_of  # noqa: E402
+from tmoe.testing import assert_close  # noqa: E402
+
+VOCAB = FAMILIES["mixtral"].kwargs.get("vocab_size", 96)
+
+
+def _loss(model, tokens):
+    out = output(model, tokens)
+    return out, out.float().square().mean() if out.shape[-1] != VOCAB else torch.nn.functional.cross_entropy(
+        out[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _step(model, tokens):
+    """(output, loss, {name: grad}) of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    out, loss = _loss(model, tokens)
+    loss.backward()
+    return out.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_step(got, want, what):
+    (out, loss, grads), (out_e, loss_e, grads_e) = got, want
+    assert_close(out, out_e, torch.float32, name=f"{what} output")
+    assert_close(loss, loss_e, torch.float32, name=f"{what} loss")
+    assert grads.keys() == grads_e.keys()
+    for name in grads_e:
+        assert_close(grads[name], grads_e[name], torch.float32, name=f"{what} grad {name}")
+
+
+def _tokens():
+    return torch.randint(3, VOCAB, (2, 5))
+
+
+@pytest.mark.parametrize("experts", registry_classes())
+def test_backward_matches_eager(experts):
+    """Every parameter's gradient, the logits and the loss equal eager's."""
+    if experts in UNBUILT:
+        pytest.skip(f"{experts}: {UNBUILT[experts]}")
+    name = TINY[experts]
+    model = tiny_model(name).train()
+    tokens = _tokens()
+    want = _step(model, tokens)
+    model.set_experts_implementation("tmoe")
+    _assert_same_step(_step(model, tokens), want, name)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_peft_lora_on_experts_matches_eager(name):
+    """PEFT's ``target_parameters`` LoRA on gate_up_proj/down_proj: the LoRA gradients equal eager's."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    model = peft.get_peft_model(tiny_model(name), config).base_model.model.train()  # the LM, LoRA injected
+    tokens = _tokens()
+    want = _step(model, tokens)
+    assert any("lora_" in n for n in want[2]), "LoRA parameters got no gradient"
+    model.set_experts_implementation("tmoe")
+    _assert_same_step(_step(model, tokens), want, f"{name} LoRA")
+
+
+def test_compiled_block_trains():
+    """A sparse block compiled with fullgraph=True: gradients of its input and weights equal eager's."""
+    block = tiny_model("qwen3_moe").model.layers[0].mlp
+    x = torch.randn(2, 5, 64, requires_grad=True)
+
+    def step(fn):
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        out = fn(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().mean().backward()
+        return out.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in block.named_parameters()}
+
+    eager = step(block)
+    block.experts.config._experts_implementation = "tmoe"
+    compiled = step(torch.compile(block, fullgraph=True))
+    assert_close(compiled[0], eager[0], torch.float32, name="block output")
+    assert_close(compiled[1], eager[1], torch.float32, name="input grad")
+    for name in eager[2]:
+        assert_close(compiled[2][name], eager[2][name], torch.float32, name=f"grad {name}")
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "openai_privacy_filter", "mixtral"])
+def test_optimizer_step_reaches_the_weights(name):
+    """Transposed (GPT-OSS, also interleaved; OpenAI privacy filter) and plain layouts: after an
+    AdamW step on each, tmoe's output equals eager's on the updated weights."""
+    model = tiny_model(name).train()
+    layout = layout_of(experts_of(model, FAMILIES[name].experts)[0])
+    assert not isinstance(layout, str)
+    model.set_experts_implementation("tmoe")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = _tokens()
+    _step(model, tokens)
+    optimizer.step()
+    with torch.no_grad():
+        stepped = output(model, tokens)
+        reference = copy.deepcopy(model)
+        reference.set_experts_implementation("eager")
+        assert_close(stepped, output(reference, tokens), torch.float32, name=f"{name} after a step")

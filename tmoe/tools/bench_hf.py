@@ -1,0 +1,133 @@
+"""``python -m tmoe bench-hf``: transformers' experts implementations compared (GPU; ``--tiny`` runs on CPU).
+
+Training: one decoder layer at Qwen3-30B-A3B's and GPT-OSS-20B's sizes (bf16, ``--tokens`` rows),
+forward + backward + AdamW step, median ms and peak memory, for each ``experts_implementation``.
+Inference: ``generate`` with a static cache under torch.compile, ms per new token, for a 2-layer
+model at Qwen3-30B-A3B's sizes ("tmoe" with CUDA graphs; "grouped_mm", which cannot be captured,
+with max-autotune-no-cudagraphs). Rows go to ``bench/results/bench_hf.csv``, keyed by GPU, versions and commit.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+import triton
+
+import tmoe.integrations.transformers  # noqa: F401  (registers "tmoe")
+from tmoe.tools.results import git_commit
+
+QWEN3_30B = dict(config="Qwen3MoeConfig", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                 num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936)
+GPT_OSS_20B = dict(config="GptOssConfig", hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                   num_experts_per_tok=4, num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                   layer_types=["full_attention"])
+TINY = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=32, num_experts=4, num_local_experts=4,
+            num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96)
+FIELDS = ["date", "gpu", "torch", "triton", "transformers", "commit", "bench", "model", "implementation", "batch",
+          "tokens", "ms", "peak_gib"]
+
+
+def _config(sizes: dict, layers: int, tiny: bool) -> transformers.PretrainedConfig:
+    sizes = dict(sizes)
+    cls = getattr(transformers, sizes.pop("config"))
+    if tiny:
+        sizes |= {k: v for k, v in TINY.items() if k in sizes}
+    return cls(**sizes, num_hidden_layers=layers, max_position_embeddings=4096)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first call warms up
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[1:])
+
+
+def train_layer(sizes: dict, implementation: str, tokens: int, batch: int, tiny: bool, device: str) -> tuple[float, float]:
+    """(median ms, peak GiB) of one forward + backward + AdamW step of the model's first decoder layer."""
+    config = _config(sizes, 1, tiny)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=implementation, dtype=dtype)
+    layer, rotary = model.model.layers[0].to(device).train(), model.model.rotary_emb.to(device)
+    x = torch.randn(batch, tokens, config.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    positions = torch.arange(tokens, device=device).expand(batch, -1)
+    embeddings = rotary(x, positions)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-5)
+
+    def step():
+        out = layer(x, position_embeddings=embeddings, position_ids=positions)
+        (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    ms = _median_ms(step, 3 if tiny else 10)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+    return ms, peak
+
+
+def generate_ms(implementation: str, batch: int, new_tokens: int, tiny: bool, device: str) -> float:
+    """ms per new token of greedy ``generate`` (static cache, compiled) on a 2-layer Qwen3-30B-A3B-sized model."""
+    dtype = torch.float32 if tiny else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_config(_config(QWEN3_30B, 2, tiny), dtype=dtype,
+                                                          experts_implementation=implementation).to(device).eval()
+    with torch.no_grad():  # one eager call decides each experts module's layout (see docs/huggingface.md)
+        model(torch.zeros(1, 1, dtype=torch.long, device=device))
+    mode = "max-autotune-no-cudagraphs" if implementation == "grouped_mm" or not torch.cuda.is_available() else "reduce-overhead"
+    model.forward = torch.compile(model.forward, mode=mode, fullgraph=implementation == "tmoe")
+    prompt = torch.randint(0, model.config.vocab_size, (batch, 16), device=device)
+
+    def run():
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           cache_implementation="static")
+
+    return _median_ms(run, 1 if tiny else 3) / new_tokens
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m tmoe bench-hf", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run of the script)")
+    p.add_argument("--tokens", type=int, default=4096, help="rows per sequence of the training step")
+    p.add_argument("--batch", type=int, default=4, help="sequences of the training step")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--skip", choices=["train", "generate"], default=None)
+    p.add_argument("--out", type=Path, default=Path("bench/results/bench_hf.csv"))
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    head = [datetime.datetime.now().isoformat(timespec="seconds"), gpu, torch.__version__, triton.__version__,
+            transformers.__version__, git_commit()]
+    rows = []
+    if args.skip != "train":
+        for name, sizes in (("qwen3_30b_a3b", QWEN3_30B), ("gpt_oss_20b", GPT_OSS_20B)):
+            for impl in ("tmoe", "grouped_mm", "eager"):
+                ms, peak = train_layer(sizes, impl, args.tokens, args.batch, args.tiny, device)
+                rows.append(["train_layer", name, impl, args.batch, args.tokens, f"{ms:.2f}", f"{peak:.2f}"])
+                print(*rows[-1], flush=True)
+    if args.skip != "generate":
+        for batch in (1, 32):
+            for impl in ("tmoe", "grouped_mm"):
+                ms = generate_ms(impl, batch, args.new_tokens, args.tiny, device)
+                rows.append(["generate_ms_per_token", "qwen3_30b_a3b_2layer", impl, batch, args.new_tokens, f"{ms:.3f}", ""])
+                print(*rows[-1], flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    new = not args.out.exists()
+    with args.out.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(FIELDS)
+        w.writerows(head + r for r in rows)
+    return 0
