@@ -128,3 +128,17 @@ def test_stage_ops_stay_inference_only():
     out = torch.ops.tmoe.moe_reduce(y, p.topk_ids, 4, p.topk_weights, None)
     with pytest.raises(RuntimeError, match="tmoe::moe_reduce is a stage op without a backward"):
         out.sum().backward()
+
+
+def test_flop_counter_counts_the_backward():
+    """FlopCounterMode sees forward and backward: 2·S·K·3N forward, then 2·S·K·(N + 2N) for the
+    intermediate's gradient with the recomputed pre-activation, 2·S·2N·K for dx, 2·S·(2N·K + K·N) for dW."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m, e, n, k, topk = 6, 4, 40, 48, 2
+    p = make_problem(MoEShape(m, e, n, k, topk), torch.float32, "uniform", seed=3, device=DEVICE)
+    leaves = [t.requires_grad_() for t in (p.x, p.w1, p.w2)]
+    with FlopCounterMode(display=False) as counter:
+        tmoe.fused_experts(*leaves, p.topk_weights, p.topk_ids).sum().backward()
+    s = m * topk
+    assert counter.get_total_flops() == 2 * s * k * 3 * n + 2 * s * k * 3 * n + 2 * s * 2 * n * k + 2 * s * 3 * n * k

@@ -1,6 +1,7 @@
-"""FLOP formulas for ``torch.utils.flop_counter.FlopCounterMode`` (MFU): the layer ops and the GEMM
-stage ops. ``register_flops(op, formula)`` registers one for any tmoe op (backward ops too);
-the formula takes the op's arguments by schema name, tensors as their shapes."""
+"""FLOP formulas for ``torch.utils.flop_counter.FlopCounterMode`` (MFU): the layer ops, the GEMM
+stage ops and the backward GEMM ops (the backward counts the pre-activation it recomputes).
+``register_flops(op, formula)`` registers one for any tmoe op; the formula takes the op's
+arguments by schema name, tensors as their shapes."""
 from __future__ import annotations
 
 from typing import Callable
@@ -49,8 +50,29 @@ def gemm_down_flops(a: dict) -> int:
     return 2 * slots * n * a["w2"][1]
 
 
+def grad_act_flops(a: dict) -> int:
+    """2·slots·K·(N + rows(w1)): the intermediate's gradient (grad_out @ w2) and the recomputed
+    pre-activation (x @ w1.T); slots = topk_weights' elements."""
+    slots = a["topk_weights"][0] * a["topk_weights"][1]
+    return 2 * slots * a["grad_out"][1] * (a["w2"][2] + a["w1"][1])
+
+
+def grad_input_flops(a: dict) -> int:
+    """2·slots·rows(w1)·K: dh @ w1 per slot."""
+    slots = a["topk_ids"][0] * a["topk_ids"][1]
+    return 2 * slots * a["w1"][1] * a["w1"][2]
+
+
+def grad_weight_flops(a: dict) -> int:
+    """2·slots·P·Q: the K-grouped GEMM of left (·, P) and right (·, Q) over the routed slots."""
+    slots = a["topk_weights"][0] * a["topk_weights"][1]
+    return 2 * slots * a["left"][1] * a["right"][1]
+
+
 def register_all() -> None:
     ops = torch.ops.tmoe
     for op, formula in ((ops.modular_forward, layer_flops), (ops.modular_forward_, layer_flops),
-                        (ops.moe_gemm_up, gemm_up_flops), (ops.moe_gemm_down, gemm_down_flops)):
+                        (ops.moe_gemm_up, gemm_up_flops), (ops.moe_gemm_down, gemm_down_flops),
+                        (ops.moe_grad_act, grad_act_flops), (ops.moe_grad_input, grad_input_flops),
+                        (ops.moe_grad_weight, grad_weight_flops)):
         register_flops(op, formula)
