@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tmoe.integrations.transformers  # noqa: E402,F401  (registers "tmoe")
-from hf_tiny import FAMILIES, TINY, UNBUILT, experts_of, output, registry_classes, tiny_model  # noqa: E402
+from tests.integrations.hf_tiny import FAMILIES, TINY, UNBUILT, experts_of, output, registry_classes, tiny_model  # noqa: E402
 from tmoe.integrations import hf_registry  # noqa: E402
 from tmoe.integrations.hf_layout import eager_forward, layout_of  # noqa: E402
 from tmoe.testing import assert_close  # noqa: E402
