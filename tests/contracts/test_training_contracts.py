@@ -107,14 +107,29 @@ def test_batched_composition_refused_with_grad(monkeypatch):
         layer(*_layer_inputs())
 
 
-def test_quantized_weights_refused_with_grad(monkeypatch):
+def _fp8_layer_inputs():
     x, w1, w2, tw, ids = _layer_inputs()
     w1q, s1 = tmoe.quantize_weight_per_channel_fp8(w1.detach())
     w2q, s2 = tmoe.quantize_weight_per_channel_fp8(w2.detach())
     qc = tmoe.FusedMoEQuantConfig(quant_dtype=torch.float8_e4m3fn, per_act_token_quant=True, per_out_ch_quant=True)
+    return (x, w1q, w2q, tw, ids), dict(quant_config=qc, w1_scale=s1, w2_scale=s2)
+
+
+def test_quantized_weights_that_require_grad_refused(monkeypatch):
+    (x, w1q, w2q, tw, ids), kw = _fp8_layer_inputs()
     _no_launch(monkeypatch)
-    with pytest.raises(NotImplementedError, match=r"gradients through quantized expert weights \(float8_e4m3fn\) are not supported"):
-        tmoe.fused_experts(x, w1q, w2q, tw, ids, quant_config=qc, w1_scale=s1, w2_scale=s2)
+    with pytest.raises(NotImplementedError, match=r"quantized expert weights \(float8_e4m3fn\) cannot be trained"):
+        tmoe.fused_experts(x, w1q.requires_grad_(), w2q, tw, ids, **kw)
+
+
+def test_frozen_quantized_experts_run_forward_and_refuse_backward():
+    """Inference with grad mode on (a trainable router in front) runs; asking for gradients says why not."""
+    (x, w1q, w2q, tw, ids), kw = _fp8_layer_inputs()
+    out = tmoe.fused_experts(x, w1q, w2q, tw, ids, **kw)
+    with torch.no_grad():
+        assert_close(out, tmoe.fused_experts(x, w1q, w2q, tw, ids, **kw), TOL)
+    with pytest.raises(NotImplementedError, match=r"frozen quantized experts \(float8_e4m3fn\) are not supported"):
+        out.sum().backward()
 
 
 def test_inplace_refused_with_grad():

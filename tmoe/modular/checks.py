@@ -186,16 +186,17 @@ def check_trainable(args: LayerArgs, prepare_finalize: str, experts: str, quant_
                     weight_dtype: str | None) -> None:
     """A call that needs gradients runs a layer with a backward: ``TritonExperts`` behind
     ``NoEPPrepareAndFinalize`` (one device) or ``AllGatherPrepareAndFinalize`` (expert
-    parallelism), on float weights. Raises before any launch, naming what has no backward."""
+    parallelism); quantized (fp8, low-bit) weights only frozen. Raises before any launch, naming
+    what has no backward. (Frozen quantized experts run forward; their backward raises.)"""
     if (prepare_finalize, experts) not in TRAINABLE_PARTS:
         raise NotImplementedError(
             f"the {prepare_finalize!r} PrepareAndFinalize with {experts!r} experts has no backward; gradients need "
             "TritonExperts behind NoEPPrepareAndFinalize (tmoe.fused_experts' default) or "
             "AllGatherPrepareAndFinalize, or run under torch.no_grad()")
     scheme = quant_dtype or weight_dtype
-    if scheme is not None:
-        raise NotImplementedError(f"gradients through quantized expert weights ({scheme}) are not supported; train "
-                                  "with float weights, or run under torch.no_grad()")
+    if scheme is not None and (args.w1.requires_grad or args.w2.requires_grad):
+        raise NotImplementedError(f"quantized expert weights ({scheme}) cannot be trained: w1/w2 require grad; train "
+                                  "float weights, or freeze them (requires_grad_(False))")
 
 
 def check_no_overlap(hidden_states: torch.Tensor) -> None:

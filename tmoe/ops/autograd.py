@@ -41,6 +41,7 @@ def _layer_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
     # all-gather expert parallelism: the backward gathers x, routing and grad_out again, and sums
     # the input and router gradients back to the ranks that own the tokens
     ctx.group = inputs[_NUM_LAYER_ARGS + _GROUP] if inputs[_NUM_LAYER_ARGS + _PF] == "allgather" else ""
+    ctx.scheme = inputs[_NUM_LAYER_ARGS + _QUANT_DTYPE] or inputs[_NUM_LAYER_ARGS + _WEIGHT_DTYPE]
     ctx.options = (call.activation, call.swiglu_alpha, call.swiglu_limit, call.gate_up_interleaved,
                    call.apply_router_weight_on_input, call.global_num_experts)
     ctx.save_for_backward(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, call.expert_map,
@@ -51,6 +52,9 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     """dx, dw1, dw2, dtopk_weights, db1, db2 of the layer: recompute the pre-activation from x,
     the intermediate's gradient with the activation's derivative fused, then the input and weight
     GEMMs. Weight gradients run only for weights that require grad (frozen experts skip them)."""
+    if ctx.scheme is not None:
+        raise NotImplementedError(f"gradients through frozen quantized experts ({ctx.scheme}) are not supported yet: "
+                                  "run the quantized layer under torch.no_grad(), or train float experts")
     x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias = ctx.saved_tensors
     activation, alpha, limit, interleaved, on_input, global_num_experts = ctx.options
     needs = ctx.needs_input_grad
