@@ -44,25 +44,25 @@ def _backward_cases():
     p = make_problem(MoEShape(9, 4, 64, 72, 2), torch.float32, "out_of_range", seed=5, device=DEVICE)
     ops = torch.ops.tmoe
     emap = half_remote_expert_map(4, DEVICE)
-    sorted_ids, expert_ids, npp, offsets = ops.moe_grad_align(p.topk_ids, 4, None, None)
+    sorted_ids, expert_ids, npp, offsets = ops.moe_grad_align(p.topk_ids, 64, 4, None, None)
     go = torch.randn(9, 72, device=DEVICE)
     b1, b2 = torch.randn(4, 128, device=DEVICE), torch.randn(4, 72, device=DEVICE)
-    grad_h, inter, partial = ops.moe_grad_act(go, p.x, p.w1, p.w2, p.topk_weights, sorted_ids, expert_ids, npp, b1, b2,
-                                              "swigluoai", 1.3, 0.5, True, False)
-    act_args = (go, p.x, p.w1, p.w2, p.topk_weights, sorted_ids, expert_ids, npp, b1, b2, "gelu", None, None, False,
-                False)
+    grad_h, inter, partial = ops.moe_grad_act(go, p.x, p.w1, p.w2, p.topk_weights, sorted_ids, expert_ids, npp, 64, b1,
+                                              b2, "swigluoai", 1.3, 0.5, True, False)
+    act_args = (go, p.x, p.w1, p.w2, p.topk_weights, sorted_ids, expert_ids, npp, 64, b1, b2, "gelu", None, None,
+                False, False)
     logits = torch.randn(9, 4, device=DEVICE)
     _, ids = ops.topk_route(logits, 2)
     return {
-        "moe_grad_align": (ops.moe_grad_align, (p.topk_ids, 4, None, None)),
-        "moe_grad_align_map": (ops.moe_grad_align, (p.topk_ids, 4, emap, 2)),
+        "moe_grad_align": (ops.moe_grad_align, (p.topk_ids, 64, 4, None, None)),
+        "moe_grad_align_map": (ops.moe_grad_align, (p.topk_ids, 128, 4, emap, 2)),
         "moe_grad_act": (ops.moe_grad_act, act_args),
         "moe_grad_input": (ops.moe_grad_input, (grad_h, p.w1, partial, p.topk_weights, p.topk_ids, sorted_ids,
-                                                expert_ids, npp, 4, None, None, False)),
+                                                expert_ids, npp, 64, 4, None, None, False)),
         "moe_grad_weight_w1": (ops.moe_grad_weight, (grad_h, p.x, p.topk_weights, sorted_ids, offsets, 4, False,
-                                                     False, True, None)),
-        "moe_grad_weight_w2": (ops.moe_grad_weight, (go, inter, p.topk_weights, sorted_ids, offsets, 4, True, True,
-                                                     False, None)),
+                                                     False, True, False, None)),
+        "moe_grad_weight_w2": (ops.moe_grad_weight, (go, inter, p.topk_weights, sorted_ids, offsets, 4, True, False,
+                                                     True, True, None)),
         "topk_route_grad": (ops.topk_route_grad, (torch.randn(9, 2, device=DEVICE), logits, ids, "softmax", True,
                                                   1.0)),
     }

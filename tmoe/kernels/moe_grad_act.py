@@ -26,17 +26,26 @@ from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 
-GRAD_BLOCK_M = 64  # the backward's align block size (rows of one expert per program)
-
-
 @dataclass(frozen=True)
 class ActTiles:
     """Tiles of ``moe_grad_act``: BLOCK_N intermediate columns, BLOCK_K steps (rows: the align block)."""
 
-    block_n: int = 64
+    block_n: int = 128
     block_k: int = 64
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 3
+
+
+def grad_block_m(num_experts: int) -> int:
+    """The backward's align block (rows of one expert per program), from the expert count alone:
+    128 for a few large experts (Mixtral's 8: the dX GEMM 1.4x faster), else 64 (H100 tile sweep,
+    ``bench/repro_grad_tiles.py``)."""
+    return 128 if num_experts <= 16 else 64
+
+
+def act_tiles(block_m: int) -> ActTiles:
+    """``moe_grad_act``'s tiles at an align block (the sweep's best at each)."""
+    return ActTiles(128, 32, 8, 4) if block_m >= 128 else ActTiles()
 
 
 @triton.jit
@@ -110,7 +119,7 @@ def _moe_grad_act_kernel(
     expert_ids_ptr,  # [P // BLOCK_M] int32, -1 remote
     num_post_padded_ptr,  # [1] int32
     grad_h_ptr,  # [P, W1_ROWS] out, aligned rows, w1's row order
-    inter_ptr,  # [P, N] out, aligned rows
+    inter_ptr,  # [P, N] out, aligned rows: w * act(h) (ON_INPUT: act(h))
     partial_ptr,  # [P, NUM_PID_N] float32 out
     num_slots, N, K, alpha, limit,
     stride_gm, stride_gk, stride_xm, stride_xk, stride_w1e, stride_w1r, stride_w1k, stride_w2e, stride_w2k,
@@ -190,7 +199,10 @@ def _moe_grad_act_kernel(
         a, d_gate = act_no_mul_grad(hg, ACTIVATION)
         d_up = d_gate  # unused
     a = tl.where(mask_out, a, 0.0).to(inter_ptr.dtype.element_ty)  # rounded as the forward writes it
-    tl.store(i_ptrs, a, mask=mask_n[None, :])
+    if ON_INPUT:
+        tl.store(i_ptrs, a, mask=mask_n[None, :])
+    else:  # w * a: dW2 then reads both of its operands straight from memory
+        tl.store(i_ptrs, (a.to(tl.float32) * w[:, None]).to(inter_ptr.dtype.element_ty), mask=mask_n[None, :])
     da = acc_g if ON_INPUT else acc_g * w[:, None]
     dh_gate = tl.where(mask_out, da * d_gate, 0.0)
     tl.store(h_ptrs + gate_rows[None, :], dh_gate.to(grad_h_ptr.dtype.element_ty), mask=mask_n[None, :])
@@ -208,9 +220,9 @@ def _moe_grad_act_kernel(
     tl.store(p_ptrs, tl.where(mask_m, part, 0.0))
 
 
-def grad_act_blocks(n: int, tiles: ActTiles = ActTiles()) -> int:
+def grad_act_blocks(n: int, block_m: int) -> int:
     """Column blocks of the ``partial`` output (one float32 per aligned row and block)."""
-    return cdiv(n, tiles.block_n)
+    return cdiv(n, act_tiles(block_m).block_n)
 
 
 @with_interpreter_fixes
@@ -219,8 +231,8 @@ def moe_grad_act(
     topk: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor, *,
     activation: str = "silu", swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
     gate_up_interleaved: bool = False, apply_router_weight_on_input: bool = False,
-    w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, block_m: int = GRAD_BLOCK_M,
-    tiles: ActTiles = ActTiles(),
+    w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, block_m: int = 64,
+    tiles: ActTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The intermediate's gradient, the intermediate and the router weights' partial gradients.
 
@@ -235,6 +247,8 @@ def moe_grad_act(
     Returns:
         grad_h (P, 2N) in aligned-row order and w1's row order, x's dtype (rows of padding and
         remote experts zero); inter (P, N) the recomputed intermediate act(h), x's dtype;
+        inter is act(h) times the router weight (dW2 = sum go^T inter), or act(h) itself when the
+        forward applied the router weight on the input;
         partial (P, cdiv(N, tiles.block_n)) float32, dL/dw of each aligned row per column block
         (P = sorted_ids.numel(); rows at or past num_post_padded are not written).
     """
@@ -244,7 +258,8 @@ def moe_grad_act(
     alpha, limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
     grad_h = torch.empty((p, per_n * n), dtype=x.dtype, device=x.device)
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
-    num_pid_n = grad_act_blocks(n, tiles)
+    tiles = tiles or act_tiles(block_m)
+    num_pid_n = cdiv(n, tiles.block_n)
     partial = torch.empty((p, num_pid_n), dtype=torch.float32, device=x.device)
     if p == 0:
         return grad_h, inter, partial
@@ -256,7 +271,8 @@ def moe_grad_act(
            num_slots, n, k, alpha, limit,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
            b1.stride(0), b2.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
-           TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, ACTIVATION=activation,
+           TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=min(tiles.block_k, 32) if fp32 else tiles.block_k,
+           ACTIVATION=activation,
            MUL=per_n == 2, CLAMP=clamp, INTERLEAVED=gate_up_interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,

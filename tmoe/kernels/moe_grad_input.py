@@ -18,7 +18,6 @@ import triton.language as tl
 from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
-from tmoe.kernels.moe_grad_act import GRAD_BLOCK_M
 from tmoe.kernels.reduce import moe_reduce
 
 PARTS_BLOCK = 16
@@ -28,9 +27,9 @@ PARTS_BLOCK = 16
 class InputTiles:
     """Tiles of ``moe_grad_input``: BLOCK_N columns of K, BLOCK_R steps over w1's rows."""
 
-    block_n: int = 128
+    block_n: int = 256
     block_r: int = 64
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 3
 
 
@@ -88,7 +87,7 @@ def moe_grad_input(
     grad_h: torch.Tensor, w1: torch.Tensor, partial: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
     num_experts: int, *, expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
-    apply_router_weight_on_input: bool = False, block_m: int = GRAD_BLOCK_M, tiles: InputTiles = InputTiles(),
+    apply_router_weight_on_input: bool = False, block_m: int = 64, tiles: InputTiles = InputTiles(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dx (M, K) in grad_h's dtype, dL/dtopk_weights (M, topk) float32).
 

@@ -4,7 +4,8 @@
     db[e] = sum over the same rows of L[r]                          (P_DIM), with a bias
 One operand is a token tensor read through the slot's token (optionally times the slot's router
 weight), the other a buffer of ``moe_grad_act`` in aligned-row order:
-    dW2[e] (K, N)  = sum (w_s go[t_s]).T a_s     L = grad_out (tokens, scaled), R = inter
+    dW2[e] (K, N)  = sum go[t_s].T (w_s a_s)     L = grad_out (tokens), R = inter (w a, aligned rows);
+                                                 db2[e] = sum w_s go[t_s] (the bias sum weighted)
     dW1[e] (2N, K) = sum dh_s.T x[t_s]           L = grad_h, R = x (tokens; scaled when the
                                                  forward applied the router weight on the input)
 One program owns one output tile of one expert and walks that expert's rows in order
@@ -50,7 +51,7 @@ def _moe_grad_weight_kernel(
     stride_lm, stride_lk, stride_rm, stride_rk, stride_oe, stride_op, stride_oq, stride_be,
     TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr,
     TOKENS_LEFT: tl.constexpr, SCALE_TOKENS: tl.constexpr, HAS_MAP: tl.constexpr, WITH_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    WEIGHTED_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     e = tl.program_id(0).to(tl.int64)
     num_pid_q = tl.cdiv(Q_DIM, BLOCK_Q)
@@ -82,15 +83,19 @@ def _moe_grad_weight_kernel(
                      mask=valid[:, None] & mask_p[None, :], other=0.0)  # [BR, BP]
         rt = tl.load(right_ptr + r_rows[:, None] * stride_rm + offs_q[None, :] * stride_rk,
                      mask=valid[:, None] & mask_q[None, :], other=0.0)  # [BR, BQ]
-        if SCALE_TOKENS:
+        if SCALE_TOKENS or WEIGHTED_BIAS:
             w = tl.load(topk_weights_ptr + slots, mask=valid, other=0.0)[:, None]  # [BR, 1]
+        if SCALE_TOKENS:
             if TOKENS_LEFT:
                 lt = (lt.to(tl.float32) * w).to(left_ptr.dtype.element_ty)
             else:
                 rt = (rt.to(tl.float32) * w).to(right_ptr.dtype.element_ty)
         acc = tl.dot(tl.trans(lt), rt, acc, input_precision=PRECISION)  # [BP, BQ]
         if WITH_BIAS:
-            acc_b += tl.sum(lt.to(tl.float32), axis=0)
+            if WEIGHTED_BIAS:
+                acc_b += tl.sum(lt.to(tl.float32) * w, axis=0)
+            else:
+                acc_b += tl.sum(lt.to(tl.float32), axis=0)
     tl.store(out_ptr + local * stride_oe + offs_p[:, None] * stride_op + offs_q[None, :] * stride_oq,
              acc.to(out_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
     if WITH_BIAS:
@@ -102,7 +107,8 @@ def _moe_grad_weight_kernel(
 def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
     expert_offsets: torch.Tensor, num_local_experts: int, *, tokens_left: bool, scale_tokens: bool,
-    with_bias: bool, expert_map: torch.Tensor | None = None, tiles: WeightTiles = WeightTiles(),
+    with_bias: bool, weighted_bias: bool = False, expert_map: torch.Tensor | None = None,
+    tiles: WeightTiles = WeightTiles(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dW (E_local, P_DIM, Q_DIM), db (E_local, P_DIM) or None) in ``left``'s dtype.
 
@@ -113,7 +119,8 @@ def moe_grad_weight(
             ``scale_tokens``.
         sorted_ids: (P,) int32 and expert_offsets: (E + 1,) int32, from ``moe_align_block_size``.
         num_local_experts: E_local; expert_map: optional (E,) int32 global -> local id (-1 remote).
-        with_bias: also return db[e] = the sum of left's rows of expert e.
+        with_bias: also return db[e] = the sum of left's rows of expert e (``weighted_bias``: each
+            times its slot's router weight).
     """
     p_dim, q_dim = left.shape[1], right.shape[1]
     num_experts = expert_offsets.shape[0] - 1
@@ -133,6 +140,6 @@ def moe_grad_weight(
            grad_b.stride(0) if grad_b is not None else 0,
            TOPK=topk_weights.shape[1], BLOCK_P=tiles.block_p, BLOCK_Q=tiles.block_q, BLOCK_R=tiles.block_r,
            TOKENS_LEFT=tokens_left, SCALE_TOKENS=scale_tokens, HAS_MAP=expert_map is not None,
-           WITH_BIAS=with_bias, PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
+           WITH_BIAS=with_bias, WEIGHTED_BIAS=weighted_bias, PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
            num_stages=min(tiles.num_stages, 2) if fp32 else tiles.num_stages)
     return grad_w, grad_b

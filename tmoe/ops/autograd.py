@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch._library.custom_ops import CustomOpDef
 
+from tmoe.kernels.moe_grad_act import grad_block_m
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import check_trainable
 from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_*)
@@ -66,37 +67,39 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
         x, topk_weights, topk_ids, grad_out = (tmoe.ep_all_gather(t, ctx.group)
                                                for t in (x, topk_weights, topk_ids, grad_out))
     topk_weights = topk_weights.contiguous()
-    sorted_ids, expert_ids, num_post_padded, offsets = tmoe.moe_grad_align(topk_ids.contiguous(), num_experts,
-                                                                           expert_map, num_local)
+    block_m = grad_block_m(num_experts)
+    sorted_ids, expert_ids, num_post_padded, offsets = tmoe.moe_grad_align(topk_ids.contiguous(), block_m,
+                                                                           num_experts, expert_map, num_local)
     grad_h, inter, partial = tmoe.moe_grad_act(grad_out, x, w1, w2, topk_weights, sorted_ids, expert_ids,
-                                               num_post_padded, w1_bias, w2_bias, activation, alpha, limit,
+                                               num_post_padded, block_m, w1_bias, w2_bias, activation, alpha, limit,
                                                interleaved, on_input)
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
     if needs[_INDEX["hidden_states"]] or needs[_INDEX["topk_weights"]]:
         grad_x, grad_w = tmoe.moe_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_ids, expert_ids,
-                                             num_post_padded, num_experts, expert_map, num_local, on_input)
+                                             num_post_padded, block_m, num_experts, expert_map, num_local, on_input)
         if ctx.group:  # each rank's tokens collect their slots' gradients from every rank's experts
             grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group).to(grad_x.dtype)
             grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)
         grads[_INDEX["hidden_states"]], grads[_INDEX["topk_weights"]] = grad_x, grad_w
     # dW1[e] = sum dh^T x (x times the router weight when the forward scaled the input)
     _weight_grads(grads, needs, "w1", "w1_bias", w1_bias is not None, grad_h, x, topk_weights, sorted_ids, offsets,
-                  e_local, False, on_input, expert_map)
-    # dW2[e] = sum (w go)^T a (go alone when the forward scaled the input)
+                  e_local, False, on_input, False, expert_map)
+    # dW2[e] = sum go^T (w a) (inter holds w a; a alone when the forward scaled the input)
     _weight_grads(grads, needs, "w2", "w2_bias", w2_bias is not None, grad_out, inter, topk_weights, sorted_ids,
-                  offsets, e_local, True, not on_input, expert_map)
+                  offsets, e_local, True, False, not on_input, expert_map)
     return tuple(grads)
 
 
 def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: bool, left: torch.Tensor,
                   right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor, offsets: torch.Tensor,
-                  e_local: int, tokens_left: bool, scale_tokens: bool, expert_map: torch.Tensor | None) -> None:
+                  e_local: int, tokens_left: bool, scale_tokens: bool, weighted_bias: bool,
+                  expert_map: torch.Tensor | None) -> None:
     """Fill the gradients of ``weight`` and its ``bias`` (if they require grad) with one K-grouped GEMM."""
     with_bias = has_bias and needs[_INDEX[bias]]
     if not (needs[_INDEX[weight]] or with_bias):
         return
     out = torch.ops.tmoe.moe_grad_weight(left, right, topk_weights, sorted_ids, offsets, e_local, tokens_left,
-                                         scale_tokens, with_bias, expert_map)
+                                         scale_tokens, with_bias, weighted_bias, expert_map)
     if needs[_INDEX[weight]]:
         grads[_INDEX[weight]] = out[0]
     if with_bias:

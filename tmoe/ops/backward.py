@@ -3,7 +3,8 @@ expert parallelism's collectives (``ep_all_gather``, ``ep_reduce_scatter``), wit
 
 The layer op's autograd formula (``tmoe.ops.autograd``) calls them, so AOTAutograd traces the
 backward into the same graph as the forward. Shapes come from static sizes only; the block size
-of the backward's align is the constant ``GRAD_BLOCK_M`` (no config lookup in traced code)."""
+of the backward's align is an argument, a pure function of the expert count (``grad_block_m``,
+computed by the autograd formula: no config lookup in traced code)."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.kernels.activation import w1_rows_per_n
-from tmoe.kernels.moe_grad_act import GRAD_BLOCK_M, grad_act_blocks, moe_grad_act as _grad_act
+from tmoe.kernels.moe_grad_act import grad_act_blocks, moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
 from tmoe.kernels.moe_grad_weight import moe_grad_weight as _grad_weight
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
@@ -22,21 +23,21 @@ from tmoe.modular.distributed import all_gather_rows, reduce_scatter_rows
 
 @torch.library.custom_op("tmoe::moe_grad_align", mutates_args=())
 def moe_grad_align(
-    topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None,
+    topk_ids: torch.Tensor, block_m: int, num_experts: int, expert_map: torch.Tensor | None = None,
     num_local_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_token_ids, expert_ids, num_tokens_post_padded, expert_offsets (E + 1,)) of
-    ``moe_align_block_size`` at the backward's block size ``GRAD_BLOCK_M``."""
+    ``moe_align_block_size`` at the backward's block size ``block_m``."""
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=topk_ids.device)
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
-        topk_ids, GRAD_BLOCK_M, num_experts, expert_map, offsets, num_local_experts=num_local_experts)
+        topk_ids, block_m, num_experts, expert_map, offsets, num_local_experts=num_local_experts)
     return sorted_ids, expert_ids, num_post_padded, offsets
 
 
 @moe_grad_align.register_fake
-def _(topk_ids, num_experts, expert_map=None, num_local_experts=None):
+def _(topk_ids, block_m, num_experts, expert_map=None, num_local_experts=None):
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES)
-    max_padded, num_blocks = align_output_sizes(topk_ids.numel(), GRAD_BLOCK_M, num_experts)
+    max_padded, num_blocks = align_output_sizes(topk_ids.numel(), block_m, num_experts)
     new = topk_ids.new_empty
     return (new(max_padded, dtype=torch.int32), new(num_blocks, dtype=torch.int32), new(1, dtype=torch.int32),
             new(num_experts + 1, dtype=torch.int32))
@@ -45,7 +46,7 @@ def _(topk_ids, num_experts, expert_map=None, num_local_experts=None):
 @torch.library.custom_op("tmoe::moe_grad_act", mutates_args=())
 def moe_grad_act(
     grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor, num_tokens_post_padded: torch.Tensor,
+    sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor, num_tokens_post_padded: torch.Tensor, block_m: int,
     w1_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, activation: str, swiglu_alpha: float | None,
     swiglu_limit: float | None, gate_up_interleaved: bool, apply_router_weight_on_input: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -53,34 +54,36 @@ def moe_grad_act(
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
                      num_tokens_post_padded, activation=activation, swiglu_alpha=swiglu_alpha,
                      swiglu_limit=swiglu_limit, gate_up_interleaved=gate_up_interleaved,
-                     apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias)
+                     apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
+                     block_m=block_m)
 
 
 @moe_grad_act.register_fake
-def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias, w2_bias,
-      activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input):
+def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
+      w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input):
     check_tensor("grad_out", grad_out, dtypes=FLOAT_DTYPES, ndim=2)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
     return (new((p, w1_rows_per_n(activation) * n)), new((p, n)),
-            new((p, grad_act_blocks(n)), dtype=torch.float32))
+            new((p, grad_act_blocks(n, block_m)), dtype=torch.float32))
 
 
 @torch.library.custom_op("tmoe::moe_grad_input", mutates_args=())
 def moe_grad_input(
     grad_h: torch.Tensor, w1: torch.Tensor, partial: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
-    num_tokens_post_padded: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None,
+    num_tokens_post_padded: torch.Tensor, block_m: int, num_experts: int, expert_map: torch.Tensor | None,
     num_local_experts: int | None, apply_router_weight_on_input: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x (M, K), grad_topk_weights (M, topk) float32): see ``tmoe.kernels.moe_grad_input``."""
     return _grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
                        num_tokens_post_padded, num_experts, expert_map=expert_map,
-                       num_local_experts=num_local_experts, apply_router_weight_on_input=apply_router_weight_on_input)
+                       num_local_experts=num_local_experts, apply_router_weight_on_input=apply_router_weight_on_input,
+                       block_m=block_m)
 
 
 @moe_grad_input.register_fake
-def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded,
+def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m,
       num_experts, expert_map, num_local_experts, apply_router_weight_on_input):
     m, topk = topk_ids.shape
     return grad_h.new_empty((m, w1.shape[2])), grad_h.new_empty((m, topk), dtype=torch.float32)
@@ -90,18 +93,18 @@ def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
 def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_token_ids: torch.Tensor,
     expert_offsets: torch.Tensor, num_local_experts: int, tokens_left: bool, scale_tokens: bool, with_bias: bool,
-    expert_map: torch.Tensor | None,
+    weighted_bias: bool, expert_map: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """[dW (E_local, P_DIM, Q_DIM)] or [dW, db (E_local, P_DIM)]: see ``tmoe.kernels.moe_grad_weight``."""
     grad_w, grad_b = _grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
                                   tokens_left=tokens_left, scale_tokens=scale_tokens, with_bias=with_bias,
-                                  expert_map=expert_map)
+                                  weighted_bias=weighted_bias, expert_map=expert_map)
     return [grad_w] if grad_b is None else [grad_w, grad_b]
 
 
 @moe_grad_weight.register_fake
 def _(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts, tokens_left, scale_tokens,
-      with_bias, expert_map):
+      with_bias, weighted_bias, expert_map):
     grad_w = left.new_empty((num_local_experts, left.shape[1], right.shape[1]))
     return [grad_w, left.new_empty((num_local_experts, left.shape[1]))] if with_bias else [grad_w]
 
