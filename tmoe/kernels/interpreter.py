@@ -35,15 +35,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from typing import Callable, Iterator, TypeVar
 
 import torch
 import triton
 
-# Triton has no CPU backend: without a GPU tmoe's kernels run under the interpreter (an explicit
-# TRITON_INTERPRET=1 interprets them on a GPU machine too)
-INTERPRETED = bool(triton.knobs.runtime.interpret) or not torch.cuda.is_available()
+# Triton has no CPU backend: without a GPU tmoe's kernels run under the interpreter. An explicit
+# TRITON_INTERPRET wins: 1 interprets them on a GPU machine too, 0 keeps them compiled (the sm_90
+# stand-in driver of tmoe.testing.sm90 compiles them on a CPU machine).
+INTERPRETED = (bool(triton.knobs.runtime.interpret) if os.environ.get("TRITON_INTERPRET") is not None
+               else not torch.cuda.is_available())
 
 F = TypeVar("F", bound=Callable)
 
@@ -170,8 +173,6 @@ def interpreted_definitions() -> Iterator[None]:
     if not INTERPRETED or triton.knobs.runtime.interpret:
         yield
         return
-    import os
-
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # the knob reads the environment when @triton.jit runs
     try:
