@@ -144,6 +144,17 @@ def test_reduce_never_reads_a_skipped_slots_weight(with_map):
     assert_close(out, ref, torch.float32)
 
 
+def test_expert_map_local_expert_count_must_be_a_count():
+    """None is vLLM's contract (bounded by num_experts: tests/kernels/test_align_contract.py); a
+    count that is not a non-negative int is named."""
+    ids = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    emap = torch.tensor(EXPERT_MAP, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        moe_align_block_size(ids, 16, E, emap, num_local_experts=-1)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        moe_reduce(torch.zeros(2, 2, 8, device=DEVICE), ids, E, None, emap, num_local_experts=-1)
+
+
 @pytest.mark.gpu
 def test_dispatch_addresses_past_2_to_the_31_elements():
     """One expert's batch of capacity * K > 2**31 fp8 elements: rows near its end land where
