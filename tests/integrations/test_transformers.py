@@ -1,5 +1,6 @@
 """Drop-in use in tiny random Hugging Face MoE models (config objects only, no downloads)."""
 import copy
+import importlib
 import inspect
 import re
 import warnings
@@ -274,7 +275,8 @@ def test_model_without_moe_warns_and_strict_raises():
 def test_old_transformers_is_refused(monkeypatch, version):
     """4.x keeps experts as per-expert modules; early 5.x releases store some families differently."""
     model = _model("mixtral")
-    monkeypatch.setattr(transformers, "__version__", version)
+    # the live module: loading a model elsewhere in the session can re-register ``transformers``
+    monkeypatch.setattr(importlib.import_module("transformers"), "__version__", version)
     with pytest.raises(RuntimeError, match=f"needs transformers >= 5.15; found {re.escape(version)}"):
         replace_moe_blocks(model)
 

@@ -16,6 +16,8 @@ triton_kernels), whose experts stay packed. transformers older than 5.15 (4.x: e
 """
 from __future__ import annotations
 
+import importlib
+
 import re
 import warnings
 
@@ -92,9 +94,10 @@ def replace_moe_blocks(model: nn.Module, strict: bool = False, expert_parallel: 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    if _version(transformers.__version__) < MIN_TRANSFORMERS:
+    installed = importlib.import_module("transformers").__version__  # the live module: loading can re-register it
+    if _version(installed) < MIN_TRANSFORMERS:
         raise RuntimeError(f"replace_moe_blocks needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}; "
-                           f"found {transformers.__version__}")
+                           f"found {installed}")
     targets, left = [], {}
     for name, module in model.named_modules():
         if not _looks_like_experts(name, module):
