@@ -141,7 +141,8 @@ FAMILIES = {  # keyed by model name; TINY below keys them by experts class
 }
 
 
-FAMILIES |= {
+# Families whose experts classes only the experts registry serves (replace_moe_blocks does not know them).
+REGISTRY_ONLY = {
     "ergo": Family("ErgoConfig", "ErgoForCausalLM", "ErgoExpertProjections",
                    dict(num_dense_blocks=0, first_dense_intermediate_size=64, shared_intermediate_size=64)),
     "nemotron_h": Family("NemotronHConfig", "NemotronHForCausalLM", "NemotronHExperts"),
@@ -152,6 +153,7 @@ FAMILIES |= {
     "inkling2_loop_text": Family("Inkling2LoopTextConfig", "Inkling2LoopForCausalLM", "Inkling2LoopExperts",
                                  dict(unpadded_vocab_size=VOCAB)),
 }
+FAMILIES |= REGISTRY_ONLY
 TINY = {family.experts: name for name, family in FAMILIES.items()}  # experts class -> one family using it
 # Registry classes without a tiny model here, and why.
 UNBUILT = {
