@@ -1,7 +1,8 @@
 """Which tiles make the backward kernels fastest? Times moe_grad_act, moe_grad_input and
 moe_grad_weight (dW1 and dW2) under candidate tiles at the Qwen3-30B-A3B, Mixtral-8x7B and
 DeepSeek-V3 layer shapes (bf16, random top-k routing) and prints each kernel's best beside the
-shipped tiles' time. GPU only: ``python bench/repro_grad_tiles.py [--ms 4096] [--shapes ...]``."""
+shipped tiles' time. GPU only:
+``python bench/repro_grad_tiles.py [--ms 4096] [--shapes ...] [--kernels act input weight]``."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,8 @@ INPUT = [InputTiles(128, 64, 4, 3), InputTiles(128, 64, 8, 3), InputTiles(256, 6
          InputTiles(64, 64, 4, 4), InputTiles(256, 32, 8, 4)]
 WEIGHT = [WeightTiles(), WeightTiles(128, 128, 32, 8, 4), WeightTiles(128, 256, 64, 8, 3),
           WeightTiles(64, 128, 64, 4, 3), WeightTiles(256, 128, 64, 8, 3), WeightTiles(128, 128, 64, 4, 3),
-          WeightTiles(128, 64, 64, 4, 4)]
+          WeightTiles(128, 64, 64, 4, 4), WeightTiles(128, 256, 64, 8, 4), WeightTiles(128, 256, 32, 8, 5)]
+KERNELS = ("act", "input", "weight")
 
 
 def _time(fn) -> float:
@@ -34,14 +36,16 @@ def _time(fn) -> float:
         return float("inf")
 
 
-def _best(name: str, results: list[tuple[object, float]], default: object) -> None:
+def _best(name: str, results: list[tuple[object, float]], default: object, flops: float = 0.0) -> None:
     timed = dict(results)
     tiles, us = min(results, key=lambda r: r[1])
     base = timed.get(default, float("nan"))
-    print(f"  {name}: shipped {default} {base:.1f} µs; best {us:.1f} µs ({base / us:.2f}x) with {tiles}", flush=True)
+    rate = f" ({flops / us / 1e6:.0f} TFLOP/s)" if flops else ""
+    print(f"  {name}: shipped {default} {base:.1f} µs; best {us:.1f} µs{rate} ({base / us:.2f}x) with {tiles}",
+          flush=True)
 
 
-def run_shape(name: str, m: int) -> None:
+def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS) -> None:
     e, n, k, topk = SHAPES[name]
     dev, dt = torch.device("cuda"), torch.bfloat16
     x = torch.randn(m, k, device=dev, dtype=dt)
@@ -55,30 +59,33 @@ def run_shape(name: str, m: int) -> None:
         offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
         sorted_ids, expert_ids, npp = moe_align_block_size(ids, block_m, e, None, offsets)
         route = (topk, sorted_ids, expert_ids, npp)
-        act = [(t, _time(lambda t=t: moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m, tiles=t))) for t in ACT]
-        _best(f"moe_grad_act block_m={block_m}", act, act_tiles(block_m))
+        if "act" in kernels:
+            act = [(t, _time(lambda t=t: moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m, tiles=t))) for t in ACT]
+            _best(f"moe_grad_act block_m={block_m}", act, act_tiles(block_m))
         grad_h, inter, partial = moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m)
-        inp = [(t, _time(lambda t=t: moe_grad_input(grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, e,
-                                                     block_m=block_m, tiles=t))) for t in INPUT]
-        _best(f"moe_grad_input block_m={block_m}", inp, InputTiles())
-        if block_m != BLOCK_MS[0]:
+        if "input" in kernels:
+            inp = [(t, _time(lambda t=t: moe_grad_input(grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, e,
+                                                         block_m=block_m, tiles=t))) for t in INPUT]
+            _best(f"moe_grad_input block_m={block_m}", inp, InputTiles())
+        if block_m != BLOCK_MS[0] or "weight" not in kernels:
             continue  # the weight GEMMs walk each expert's rows: the align block does not matter
         dw1 = [(t, _time(lambda t=t: moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, e, tokens_left=False,
                                                       scale_tokens=False, with_bias=False, tiles=t))) for t in WEIGHT]
-        _best("moe_grad_weight dW1", dw1, WeightTiles())
+        _best("moe_grad_weight dW1", dw1, WeightTiles(), 2.0 * m * topk * 2 * n * k)
         dw2 = [(t, _time(lambda t=t: moe_grad_weight(go, inter, tw, sorted_ids, offsets, e, tokens_left=True,
                                                       scale_tokens=False, with_bias=False, tiles=t))) for t in WEIGHT]
-        _best("moe_grad_weight dW2", dw2, WeightTiles())
+        _best("moe_grad_weight dW2", dw2, WeightTiles(), 2.0 * m * topk * n * k)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--ms", type=int, nargs="+", default=[4096])
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     args = parser.parse_args()
     for m in args.ms:
         for name in args.shapes:
-            run_shape(name, m)
+            run_shape(name, m, tuple(args.kernels))
             torch.cuda.empty_cache()
 
 
