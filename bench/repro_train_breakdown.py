@@ -1,0 +1,89 @@
+"""Where does a tmoe training step's time go? Times the layer's forward and each backward op
+(``torch.ops.tmoe.moe_grad_*``, called as the layer's backward calls them) at the Qwen3-30B-A3B,
+Mixtral-8x7B and DeepSeek-V3 layer shapes (bf16, random top-k routing), and prints each op's
+milliseconds, its FLOPs (the registered FLOP formulas, counted by ``FlopCounterMode``), its
+TFLOP/s and that rate over the measured bf16 matmul rate; then the sum beside one whole
+forward+backward step and ``torch._grouped_mm``'s step. GPU only:
+``python bench/repro_train_breakdown.py [--ms 4096] [--shapes qwen3 mixtral deepseek]``."""
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+import triton
+from torch.utils.flop_counter import FlopCounterMode
+
+import tmoe
+from tmoe.kernels.moe_grad_act import grad_block_m
+from tmoe.tools.bench_train import SHAPES, grouped_mm_layer, step_fn
+from tmoe.tools.inputs import make_weights
+from tmoe.tools.timing import measure_ceilings
+
+
+def _ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def _flops(fn: Callable[[], object]) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def run_shape(name: str, m: int, rate: float) -> None:
+    s = SHAPES[name]
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    w1, w2 = make_weights(s.e, s.n, s.k, dev)
+    x = torch.randn(m, s.k, device=dev, dtype=dt)
+    tw, ids = torch.topk(torch.randn(m, s.e, device=dev).softmax(-1), s.topk)
+    ids = ids.to(torch.int32).contiguous()
+    go = torch.randn(m, s.k, device=dev, dtype=dt)
+    ops = torch.ops.tmoe
+    block_m = grad_block_m(s.e)
+    sorted_ids, expert_ids, npp, offsets = ops.moe_grad_align(ids, block_m, s.e, None, None)
+    grad_h, inter, partial = ops.moe_grad_act(go, x, w1, w2, tw, sorted_ids, expert_ids, npp, block_m, None, None,
+                                              "silu", None, None, False, False)
+    parts = {
+        "forward (layer)": lambda: tmoe.fused_experts(x, w1, w2, tw, ids),
+        "moe_grad_align": lambda: ops.moe_grad_align(ids, block_m, s.e, None, None),
+        "moe_grad_act (recompute + dA)": lambda: ops.moe_grad_act(
+            go, x, w1, w2, tw, sorted_ids, expert_ids, npp, block_m, None, None, "silu", None, None, False, False),
+        "moe_grad_input (dx, dw)": lambda: ops.moe_grad_input(
+            grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, block_m, s.e, None, None, False),
+        "moe_grad_weight dW1": lambda: ops.moe_grad_weight(
+            grad_h, x, tw, sorted_ids, offsets, s.e, False, False, False, False, None),
+        "moe_grad_weight dW2": lambda: ops.moe_grad_weight(
+            go, inter, tw, sorted_ids, offsets, s.e, True, False, False, False, None),
+    }
+    print(f"{name} M={m} (E={s.e} N={s.n} K={s.k} topk={s.topk}, align block {block_m})", flush=True)
+    total = 0.0
+    for label, fn in parts.items():
+        with torch.no_grad():
+            ms, flops = _ms(fn), _flops(fn)
+        total += ms
+        tflops = flops / ms / 1e9
+        print(f"  {label:30s} {ms:8.3f} ms  {flops / 1e12:7.3f} TFLOP  {tflops:6.0f} TFLOP/s  "
+              f"{tflops * 1e12 / rate:4.2f} of the mm rate", flush=True)
+    del grad_h, inter, partial
+    params = tuple(t.requires_grad_() for t in (x, w1, w2, tw))  # the same leaves: no second copy of the weights
+    step = _ms(step_fn(lambda *a: tmoe.fused_experts(*a, ids), params, go))
+    peer = _ms(step_fn(grouped_mm_layer(ids), params, go))
+    print(f"  sum of the parts {total:.3f} ms; tmoe step {step:.3f} ms; grouped_mm step {peer:.3f} ms", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--ms", type=int, nargs="+", default=[4096])
+    args = parser.parse_args()
+    rate = measure_ceilings(False, trials=3).bf16_flops
+    print(f"bf16 matmul rate (best of 3 trials): {rate / 1e12:.0f} TFLOP/s", flush=True)
+    for m in args.ms:
+        for name in args.shapes:
+            run_shape(name, m, rate)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
