@@ -1,7 +1,9 @@
 """``python -m tmoe tables <bench_moe.csv> --commit C [--dtype D]``: the benchmark tables (bench/results/summary.md, the README)
 (shapes x M) from one benchmark run's CSV rows: fraction of the floor (tmoe / peer), times (tmoe
 graph / tmoe eager / peer eager) and, where the run timed them, the stages (graph µs and fraction of
-each stage's own floor); then the cells below the layer's goals (``GOALS``), each with its stages."""
+each stage's own floor); then the cells below the layer's goals (``GOALS``), each with its stages.
+Given ``bench_train.csv`` (``python -m tmoe bench-train``): forward+backward ms and peak MiB of
+tmoe and its peers, and tmoe's fraction of the floor."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +82,33 @@ def tables(rows: dict, dtype: str) -> str:
     return "".join(out)
 
 
+TRAIN_PEERS = ("grouped_mm", "liger[pinned]", "liger")
+
+
+def train_tables(rows: dict) -> str:
+    """The training run's tables (Markdown): fwd+bwd ms and peak MiB, tmoe / each peer that ran;
+    tmoe's fraction of the floor and speedup over grouped_mm."""
+    peers = [p for p in TRAIN_PEERS if any(key[2] == p for key in rows)]
+    shapes, ms = _shapes_and_ms(rows)
+
+    def value(r: dict | None, field: str, fmt: str) -> str:
+        return "n/a" if r is None or r[field].startswith("n/a") else format(float(r[field]), fmt)
+
+    def joined(field: str, fmt: str):
+        return lambda s, m: (s, m, "tmoe") in rows and " / ".join(
+            value(rows.get((s, m, p)), field, fmt) for p in ("tmoe", *peers))
+
+    def own(s, m):
+        r = rows.get((s, m, "tmoe"))
+        speedup = value(r, "speedup_vs_grouped_mm", ".2f") if r else "n/a"
+        return r and f"{value(r, 'fraction', '.2f')} ({speedup}{'x' if speedup != 'n/a' else ''})"
+
+    names = " / ".join(("tmoe", *peers))
+    return "".join([f"forward+backward ms, {names}:\n\n", _grid(shapes, ms, joined("fwd_bwd_ms", ".1f")),
+                    f"\npeak MiB, {names}:\n\n", _grid(shapes, ms, joined("peak_mib", ".0f")),
+                    "\ntmoe's fraction of the floor (speedup over grouped_mm):\n\n", _grid(shapes, ms, own)])
+
+
 def _stage_time(row: dict | None, stage: str) -> str | None:
     """A stage's graph µs, the GEMMs' with the fraction of their own floor: "191 (0.99)"."""
     t = _num(row, "graph_us")
@@ -109,7 +138,7 @@ def misses(rows: dict, dtype: str, stages: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tmoe tables", description=__doc__.splitlines()[0])
-    p.add_argument("csv", type=Path, help="bench_moe.csv written by python -m tmoe bench")
+    p.add_argument("csv", type=Path, help="bench_moe.csv (python -m tmoe bench) or bench_train.csv (bench-train)")
     p.add_argument("--commit", required=True, help="the run's commit (the CSV's commit column)")
     p.add_argument("--dtype", default="bf16")
     args = p.parse_args(argv)
@@ -119,5 +148,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not rows:
         print(f"no rows of commit {args.commit} and dtype {args.dtype} in {args.csv}")
         return 1
-    print(tables(rows, args.dtype), end="")
+    training = "fwd_bwd_ms" in next(iter(rows.values()))
+    print(train_tables(rows) if training else tables(rows, args.dtype), end="")
     return 0
