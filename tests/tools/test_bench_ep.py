@@ -14,7 +14,13 @@ def test_bench_ep_payload_by_hand():
     assert cells[6:10] == ["2.000", "4.000", "750.0 (75%)", "750.0 (75%)"]  # 3/4 of 2 MB in 2 µs
 
 
-def test_bench_ep_runs_at_world_size_1(capsys):
+def test_bench_ep_runs_at_world_size_1(capfd):
+    """One header, then each (shape, M, impl) row exactly once."""
     from tmoe.tools.bench_ep import main
 
-    assert main(["--shapes", "tiny", "--ms", "3", "--iters", "1", "--warmup", "0", "--world-size", "1"]) == 0
+    assert main(["--shapes", "tiny", "--ms", "3", "5", "--iters", "1", "--warmup", "0", "--world-size", "1"]) == 0
+    lines = capfd.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("| tiny |")]
+    assert [r.split(" | ")[1:3] for r in rows] == [["3", "allgather"], ["3", "alltoall"], ["5", "allgather"],
+                                                   ["5", "alltoall"]]
+    assert sum(line.startswith("| shape |") for line in lines) == 1

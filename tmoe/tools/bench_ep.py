@@ -152,18 +152,17 @@ def _run(args: argparse.Namespace) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank()))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    results = []
+    lead = dist.get_rank() == 0
+    if lead:  # the table's header first, then each row as it is measured: every row printed once
+        print(f"world size {dist.get_world_size()}, {args.dtype}, placement {args.placement}, capacity factor "
+              f"{args.capacity_factor}, link {args.link_gbps} GB/s per direction\n")
+        print(markdown([], args.link_gbps), flush=True)
     for shape in args.shapes:
         for m in args.ms:
             for impl in args.impls:
-                results.append(bench_one(shape, m, impl, args, device))
-                if dist.get_rank() == 0:
-                    print(markdown(results[-1:], args.link_gbps).splitlines()[-1], flush=True)
-    if dist.get_rank() == 0:
-        world = dist.get_world_size()
-        print(f"\nworld size {world}, {args.dtype}, placement {args.placement}, capacity factor "
-              f"{args.capacity_factor}, link {args.link_gbps} GB/s per direction\n")
-        print(markdown(results, args.link_gbps))
+                result = bench_one(shape, m, impl, args, device)
+                if lead:
+                    print(markdown([result], args.link_gbps).splitlines()[-1], flush=True)
 
 
 def _spawned(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
