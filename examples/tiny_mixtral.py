@@ -141,13 +141,21 @@ def main(tiny: bool = False, new_tokens: int = 32, stock_graph: bool = False,
     gen = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                do_sample=False, pad_token_id=0)  # without the mask, generate reads prompt ids 0 as padding
     print(f"stock experts implementation: {experts}", flush=True)
+    if device == "cpu" and not tiny:
+        print("no CUDA device: this GPU-sized model runs under the Triton interpreter and takes many minutes "
+              "(--tiny runs a CPU-sized one); each result prints as it is measured", flush=True)
     results, tokens = {}, {}
+
+    def record(key: str, value: float) -> None:
+        results[key] = value
+        print(f"{key:55s} {value:10.4f}", flush=True)
+
     reps = 3 if device == "cuda" else 1
     with torch.no_grad():
         for name, model in (("stock", stock), ("tmoe", fast)):
             tokens[name] = model.generate(prompt, **gen)
-            results[f"{name} generate ms/token (DynamicCache)"] = _ms(lambda: model.generate(prompt, **gen),
-                                                                      reps) / new_tokens
+            record(f"{name} generate ms/token (DynamicCache)", _ms(lambda: model.generate(prompt, **gen),
+                                                                   reps) / new_tokens)
         graphs = {"stock": device == "cuda" and stock_graph, "tmoe": device == "cuda"}
         for name, model in (("stock", stock), ("tmoe", fast)):
             for graph in (False, True) if graphs[name] else (False,):
@@ -155,28 +163,24 @@ def main(tiny: bool = False, new_tokens: int = 32, stock_graph: bool = False,
                     decode_static(model, prompt, new_tokens, graph)  # warm-up: JIT, cuBLAS handles
                 tokens[name, graph], ms = decode_static(model, prompt, new_tokens, graph)
                 mode = "CUDA graph" if graph else "eager"
-                results[f"{name} StaticCache {mode} ms/token (decode steps)"] = ms
-        results["greedy tokens equal, stock vs tmoe generate"] = _same(tokens["stock"], tokens["tmoe"], p)
-        results["greedy tokens equal, stock vs tmoe StaticCache"] = _same(tokens["stock", False],
-                                                                          tokens["tmoe", False], p)
-        results["greedy tokens equal, tmoe StaticCache vs generate"] = _same(tokens["tmoe", False],
-                                                                             tokens["tmoe"], p)
+                record(f"{name} StaticCache {mode} ms/token (decode steps)", ms)
+        record("greedy tokens equal, stock vs tmoe generate", _same(tokens["stock"], tokens["tmoe"], p))
+        record("greedy tokens equal, stock vs tmoe StaticCache", _same(tokens["stock", False], tokens["tmoe", False], p))
+        record("greedy tokens equal, tmoe StaticCache vs generate", _same(tokens["tmoe", False], tokens["tmoe"], p))
         for name in ("stock", "tmoe"):
             if graphs[name]:
-                results[f"greedy tokens equal, {name} CUDA graph vs eager"] = _same(tokens[name, True],
-                                                                                    tokens[name, False], p)
+                record(f"greedy tokens equal, {name} CUDA graph vs eager", _same(tokens[name, True],
+                                                                                 tokens[name, False], p))
         x = torch.randn(1, 1, size["hidden_size"], device=device, dtype=torch.bfloat16)
         stock_block, fast_block = stock.model.layers[0].mlp, fast.model.layers[0].mlp
         block_reps = 20 if device == "cuda" else 1
-        results[f"stock MoE block ({experts}), 1 token, eager ms"] = _ms(lambda: stock_block(x), block_reps)
-        results["tmoe MoE block, 1 token, eager ms"] = _ms(lambda: fast_block(x), block_reps)
+        record(f"stock MoE block ({experts}), 1 token, eager ms", _ms(lambda: stock_block(x), block_reps))
+        record("tmoe MoE block, 1 token, eager ms", _ms(lambda: fast_block(x), block_reps))
         if graphs["stock"]:
-            results[f"stock MoE block ({experts}), 1 token, CUDA graph ms"] = _ms(
-                capture_cuda_graph(lambda: stock_block(x))[0].replay, 50)
+            record(f"stock MoE block ({experts}), 1 token, CUDA graph ms",
+                   _ms(capture_cuda_graph(lambda: stock_block(x))[0].replay, 50))
         if device == "cuda":
-            results["tmoe MoE block, 1 token, CUDA graph ms"] = _ms(capture_cuda_graph(lambda: fast_block(x))[0].replay, 50)
-    for key, value in results.items():
-        print(f"{key:55s} {value:10.4f}", flush=True)
+            record("tmoe MoE block, 1 token, CUDA graph ms", _ms(capture_cuda_graph(lambda: fast_block(x))[0].replay, 50))
     return results
 
 
