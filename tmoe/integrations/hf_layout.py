@@ -123,7 +123,8 @@ def _gate_name(cls: type) -> str:
     return "_default_apply_gate" if default else f"{owner.__name__}._apply_gate"
 
 
-def _no_mul(act_fn: object) -> str | None:
+def no_mul_activation(act_fn: object) -> str | None:
+    """tmoe's *_no_mul activation computing ``act_fn(h)`` (non-gated experts); None if tmoe lacks it."""
     if _RELU2 is not None and isinstance(act_fn, _RELU2):
         return "relu2_no_mul"
     return _NO_MUL.get(tmoe_activation(act_fn))
@@ -146,7 +147,7 @@ def layout_of(experts: nn.Module) -> ExpertsLayout | str:
         layout = gating(experts, GATES[name], getattr(experts, "act_fn", None))
     else:
         act_fn = getattr(experts, "act_fn", None)
-        activation = _no_mul(act_fn)
+        activation = no_mul_activation(act_fn)
         layout = ExpertsLayout(activation) if activation else f"activation {type(act_fn).__name__} is not one of tmoe's"
     if isinstance(layout, str):
         return layout

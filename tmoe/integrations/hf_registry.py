@@ -21,7 +21,7 @@ NAME = "tmoe"
 _WARNED: set[tuple[str, str]] = set()
 
 
-def _warn_once(cls: type, why: str) -> None:
+def warn_once(cls: type, why: str) -> None:
     if (cls.__name__, why) not in _WARNED:
         _WARNED.add((cls.__name__, why))
         warnings.warn(f'experts_implementation="{NAME}": {cls.__name__} runs its own (eager) forward: {why}',
@@ -37,7 +37,7 @@ def module_layout(experts: nn.Module) -> ExpertsLayout | str:
         if not torch.compiler.is_compiling():
             experts.__dict__["_tmoe_layout"] = layout
             if isinstance(layout, str):
-                _warn_once(type(experts), layout)
+                warn_once(type(experts), layout)
     return layout
 
 

@@ -3,7 +3,9 @@
 Importing this module registers ``"tmoe"`` in transformers' experts registry
 (``tmoe.integrations.hf_registry``): ``from_pretrained(..., experts_implementation="tmoe")``,
 ``from_config(...)`` and ``model.set_experts_implementation("tmoe")`` then run every experts class
-that carries ``@use_experts_implementation`` on tmoe, for inference and training.
+that carries ``@use_experts_implementation`` on tmoe, for inference and training; and in its FP8
+experts registry (``tmoe.integrations.hf_fp8``): fine-grained fp8 checkpoints run tmoe's block-fp8
+layer, for inference.
 
 ``replace_moe_blocks`` covers what the registry does not (families without the decorator, fused
 router blocks) by swapping modules in place, for inference. ``SUPPORTED_EXPERTS``
@@ -28,9 +30,11 @@ from tmoe import ExpertParallel
 from tmoe.integrations.hf_experts import (
     SUPPORTED_EXPERTS, TmoeExperts, TmoeLlama4TextMoe, TmoeMxfp4GptOssMLP, unsupported_reason,
 )
+from tmoe.integrations.hf_fp8 import register as register_fp8
 from tmoe.integrations.hf_registry import register
 
 register()
+register_fp8()
 
 __all__ = ["SUPPORTED_EXPERTS", "TmoeExperts", "TmoeLlama4TextMoe", "TmoeMxfp4GptOssMLP", "replace_moe_blocks"]
 # The oldest release on which tests/test_transformers.py found every supported family it ships either
