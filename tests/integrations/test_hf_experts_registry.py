@@ -13,6 +13,7 @@ from tests.integrations.hf_tiny import FAMILIES, TINY, UNBUILT, experts_of, outp
 from tmoe.integrations import hf_registry  # noqa: E402
 from tmoe.integrations.hf_layout import eager_forward, layout_of  # noqa: E402
 from tmoe.testing import assert_close  # noqa: E402
+from tmoe.testing.tolerance import Tolerance  # noqa: E402
 
 VOCAB = FAMILIES["mixtral"].kwargs.get("vocab_size", 96)
 
@@ -70,6 +71,33 @@ def test_compiled_model_matches_eager(name):
     for got, want in ((compiled_block, eager_block), (compiled_logits, eager_logits)):
         got, want = (t[0] if isinstance(t, tuple) else t for t in (got, want))
         assert_close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "step3p7_text", "beam"])
+def test_compiled_before_any_eager_call_trains(name):
+    """A model compiled (fullgraph, dynamic) before its experts ever ran eagerly decides each
+    module's layout while tracing (symbolic float attributes included): its logits and gradients
+    equal eager's."""
+    model = tiny_model(name)
+    model.set_experts_implementation("tmoe")
+    tokens = torch.randint(3, VOCAB, (2, 5))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    lm = isinstance(model, transformers.GenerationMixin)
+    runs = []
+    for forward in (compiled, model):
+        model.zero_grad()
+        out = forward(tokens).logits if lm else forward(
+            inputs_embeds=model.get_input_embeddings()(tokens)).last_hidden_state
+        out.float().square().mean().backward()
+        runs.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (got, got_grads), (want, want_grads) = runs
+    # Inductor fuses and reorders the float32 ops of the rest of the model around tmoe's kernels
+    whole_model = Tolerance(rel=2e-4, atol=2e-4, rtol=1e-3)  # grouped_mm experts show 8e-5 here too
+    assert_close(got, want, whole_model, name="logits")
+    assert len(got_grads) == len(want_grads) > 0
+    for i, (a, b) in enumerate(zip(got_grads, want_grads)):
+        assert_close(a, b, whole_model, name=f"gradient {i}")
 
 
 @pytest.mark.parametrize("name", ["mixtral", "gpt_oss", "nemotron_h"])

@@ -13,7 +13,6 @@ warning naming why, once per class and reason.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,9 @@ from torch import nn
 from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
 
 from tmoe.fused import fused_experts
-from tmoe.integrations.hf_layout import ExpertsLayout, eager_forward, no_mul_activation, tmoe_activation
+from tmoe.integrations.hf_layout import (
+    ExpertsLayout, eager_forward, finite_number, no_mul_activation, tmoe_activation,
+)
 from tmoe.integrations.hf_registry import NAME, warn_once
 from tmoe.kernels.sizes import cdiv
 from tmoe.modular.quant_config import FusedMoEQuantConfig
@@ -50,9 +51,8 @@ def _gate(experts: nn.Module) -> ExpertsLayout | str:
     if getattr(experts, "gate_softcap", None) is not None:
         return "its gate is softcapped (mlp_gate_softcap), which tmoe's epilogue does not compute"
     limit, alpha = getattr(experts, "limit", None), getattr(experts, "swiglu_alpha", None)
-    finite = lambda v: isinstance(v, (int, float)) and math.isfinite(v)  # noqa: E731
     if alpha is not None:  # GPT-OSS's clamped SwiGLU
-        if not (finite(alpha) and finite(limit) and limit > 0):
+        if not (finite_number(alpha) and finite_number(limit) and limit > 0):
             return f"swigluoai needs a finite alpha and a positive finite limit, got ({alpha}, {limit})"
         return ExpertsLayout("swigluoai", float(alpha), float(limit))
     activation = tmoe_activation(act_fn)
@@ -62,7 +62,7 @@ def _gate(experts: nn.Module) -> ExpertsLayout | str:
         return ExpertsLayout(activation)
     if not getattr(experts, "limit_after_act", False):
         return "it clamps the gate before its activation (limit without limit_after_act); tmoe clamps after"
-    if activation != "silu" or not finite(limit) or limit <= 0:
+    if activation != "silu" or not finite_number(limit) or limit <= 0:
         return f"clamps a {activation} gate by {limit}; tmoe clamps silu by a positive finite limit"
     return ExpertsLayout("silu", swiglu_limit=float(limit))
 

@@ -75,6 +75,13 @@ class ExpertsLayout:
                     gate_up_interleaved=self.interleaved)
 
 
+def finite_number(v: object) -> bool:
+    """Whether ``v`` is a finite int or float (comparisons, not ``math.isfinite``: under
+    ``torch.compile(dynamic=True)`` a module's float attribute is symbolic, and dynamo traces
+    comparisons on it but not ``math.isfinite``)."""
+    return isinstance(v, (int, float)) and -math.inf < v < math.inf
+
+
 def tmoe_activation(act_fn: object) -> str | None:
     """tmoe's gate activation for a transformers activation module (or ``F.silu``); None if tmoe lacks it."""
     return "silu" if act_fn is F.silu else _ACTIVATION_TYPES.get(type(act_fn))
@@ -83,7 +90,7 @@ def tmoe_activation(act_fn: object) -> str | None:
 def gate_limit(experts: nn.Module) -> float | None:
     """The clamp of Step3p7 / BailingHybrid: min(act(gate), limit) * clamp(up, ±limit); None: no clamp."""
     limit = getattr(experts, "limit", None)
-    return float(limit) if isinstance(limit, (int, float)) and math.isfinite(limit) else None
+    return float(limit) if finite_number(limit) else None
 
 
 def gating(experts: nn.Module, gate: str | tuple[str, str], act_fn: object) -> ExpertsLayout | str:
@@ -91,7 +98,7 @@ def gating(experts: nn.Module, gate: str | tuple[str, str], act_fn: object) -> E
     tmoe cannot run it."""
     if isinstance(gate, tuple):
         alpha, limit = (getattr(experts, name, None) for name in gate)
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (alpha, limit)) or limit <= 0:
+        if not (finite_number(alpha) and finite_number(limit)) or limit <= 0:
             return f"swigluoai needs a finite alpha and a positive finite limit, got ({alpha}, {limit})"
         return ExpertsLayout("swigluoai", float(alpha), float(limit))
     activation = tmoe_activation(act_fn)
@@ -115,9 +122,11 @@ def eager_forward(cls: type) -> Callable[..., torch.Tensor]:
     return next(vars(c)["forward"].__wrapped__ for c in cls.__mro__ if is_registry_class(c) and "forward" in vars(c))
 
 
+@torch.compiler.assume_constant_result  # a class's gating is fixed: dynamo takes the answer, not the walk
 def _gate_name(cls: type) -> str:
     """``<defining class>._apply_gate``, or ``_default_apply_gate`` for transformers' own (read off
-    the class dictionaries: a function's ``__qualname__`` does not trace under torch.compile)."""
+    the class dictionaries: dynamo traces a function's ``__qualname__`` wrongly, and class
+    dictionaries that transformers mutated not at all, so it runs this once, as a constant)."""
     owner = next(c for c in cls.__mro__ if "_apply_gate" in vars(c))
     default = vars(owner)["_apply_gate"] is hf_moe._default_apply_gate
     return "_default_apply_gate" if default else f"{owner.__name__}._apply_gate"
