@@ -1,12 +1,16 @@
 """The layer's backward: every differentiable input's gradient against float64 autograd of the
 reference, for every activation, biases, interleaving, router weight on the input, skewed,
 out-of-range and remote routing; dtypes of the gradients as PyTorch gives them."""
+import weakref
 from dataclasses import dataclass, field
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tmoe
+from tmoe.kernels.moe_grad_act import grad_act_blocks, grad_block_m
 from tmoe.testing import assert_close
 from tmoe.testing.tolerance import Tolerance
 from tmoe.testing.gradients import layer_grads, reference_grads
@@ -160,3 +164,48 @@ def test_fused_moe_trains_like_a_reference_module():
                          name=f"{name}.grad")
         opt.step()
         ref_opt.step()
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the tensors the ops return while it is active that are alive at once: after each
+    op (``log``) and at the peak (freed when their last reference goes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.log: list[tuple[str, int]] = []
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t._base is None:
+                n = t.untyped_storage().nbytes()
+                self.live += n
+                weakref.finalize(t, self._free, n)
+        self.peak = max(self.peak, self.live)
+        self.log.append((func.name(), self.live))
+        return out
+
+
+def test_backward_workspaces_are_released_before_the_weight_gradients():
+    """The peak of the backward holds the gradients, grad_h and the align metadata only: the
+    recomputed intermediate and the router partials are released before the dW1 GEMM runs (each
+    workspace goes once its last reader ran)."""
+    p = make_problem(MoEShape(8, 4, 256, 512, 2), torch.float32, "uniform", seed=3)
+    params = [t.clone().requires_grad_() for t in (p.x, p.w1, p.w2, p.topk_weights)]
+    out = tmoe.fused_experts(*params, p.topk_ids)
+    grad_out = torch.randn_like(out)
+    mode = _LiveBytes()
+    with mode:
+        grads = torch.autograd.grad(out, params, grad_out)
+    ops = [name for name, _ in mode.log]
+    assert ops[:2] == ["tmoe::moe_grad_align", "tmoe::moe_grad_act"], ops
+    align_bytes = mode.log[0][1]
+    act_bytes = mode.log[1][1] - align_bytes  # grad_h (P, 2N), inter (P, N), partial (P, parts) float32
+    rows = act_bytes // 4 // (2 * 256 + 256 + grad_act_blocks(256, grad_block_m(4)))  # P aligned rows
+    grad_h_bytes = rows * 2 * 256 * 4
+    grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
+    assert mode.peak <= grad_bytes + grad_h_bytes + align_bytes, (mode.peak, grad_bytes, grad_h_bytes, align_bytes)

@@ -74,6 +74,11 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
                                                num_post_padded, block_m, w1_bias, w2_bias, activation, alpha, limit,
                                                interleaved, on_input)
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
+    # Each workspace is released once its last reader ran (the peak holds the gradients and grad_h
+    # only): dW2 = sum go^T (w a) first (inter holds w a; a alone when the forward scaled the input)
+    _weight_grads(grads, needs, "w2", "w2_bias", w2_bias is not None, grad_out, inter, topk_weights, sorted_ids,
+                  offsets, e_local, True, False, not on_input, expert_map)
+    del inter
     if needs[_INDEX["hidden_states"]] or needs[_INDEX["topk_weights"]]:
         grad_x, grad_w = tmoe.moe_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_ids, expert_ids,
                                              num_post_padded, block_m, num_experts, expert_map, num_local, on_input)
@@ -81,12 +86,10 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
             grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group).to(grad_x.dtype)
             grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)
         grads[_INDEX["hidden_states"]], grads[_INDEX["topk_weights"]] = grad_x, grad_w
+    del partial
     # dW1[e] = sum dh^T x (x times the router weight when the forward scaled the input)
     _weight_grads(grads, needs, "w1", "w1_bias", w1_bias is not None, grad_h, x, topk_weights, sorted_ids, offsets,
                   e_local, False, on_input, False, expert_map)
-    # dW2[e] = sum go^T (w a) (inter holds w a; a alone when the forward scaled the input)
-    _weight_grads(grads, needs, "w2", "w2_bias", w2_bias is not None, grad_out, inter, topk_weights, sorted_ids,
-                  offsets, e_local, True, False, not on_input, expert_map)
     return tuple(grads)
 
 
