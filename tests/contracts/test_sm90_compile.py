@@ -88,6 +88,8 @@ SCRIPT = textwrap.dedent("""
     b1, b2 = torch.zeros(4, 256, requires_grad=True), torch.zeros(4, 256, requires_grad=True)
     tmoe.fused_experts(*train[:3], train[3], p.topk_ids, activation="swigluoai", gate_up_interleaved=True,
                        w1_bias=b1, w2_bias=b2).sum().backward()
+    # frozen block-fp8 experts: the backward dequantizes w1/w2 in its kernels
+    tmoe.fused_experts(train[0], p.w1.to(FP8), p.w2.to(FP8), train[3], p.topk_ids, **fp8).sum().backward()
     tmoe.topk_route(torch.randn(9, 16, requires_grad=True), 2)[0].sum().backward()
     tmoe.per_token_quant_fp8(p.x)
     tmoe.static_quant_fp8(p.x, torch.ones(1))

@@ -1,7 +1,8 @@
 """``experts_implementation="tmoe"`` for transformers' fine-grained fp8 experts (``FP8Experts``):
 tmoe's block-fp8 layer on the stored fp8 weights and block scales, against the float32 reference
 on the dequantized weights (tolerance ``TOLERANCES["fp8"]``: activations quantized to e4m3 in
-groups of 128); modules tmoe cannot run take their own forward, with a warning naming why."""
+groups of 128; gradients exactly those of the dequantized layer); modules tmoe cannot run take
+their own forward, with a warning naming why."""
 import warnings
 
 import pytest
@@ -120,14 +121,21 @@ def test_what_tmoe_cannot_run_takes_its_own_forward(monkeypatch, change, why):
         assert module(x, ids, weights) is own
 
 
-def test_inputs_requiring_grad_take_the_own_forward(monkeypatch):
-    """tmoe's fp8 layer has no backward: a call that would need one runs the module's own forward."""
-    module, _ = fp8_experts()
-    own = torch.zeros(2, H, dtype=torch.bfloat16)
-    monkeypatch.setattr(hf_fp8, "eager_forward", lambda cls: lambda self, x, ids, w: own)
-    x, ids, weights = routing(2)
-    with pytest.warns(UserWarning, match="require grad"):
-        assert module(x.requires_grad_(), ids, weights) is own
+def test_input_and_router_gradients_through_frozen_fp8_experts():
+    """Training around frozen fp8 experts (LoRA elsewhere, a trainable router): x and the router
+    weights get the gradients of the layer on the dequantized weights; the fp8 weights get none."""
+    module, (w1, w2) = fp8_experts()
+    x, ids, weights = routing(7)
+    x, weights = x.float().requires_grad_(), weights.requires_grad_()
+    out = module(x, ids, weights)
+    grad_out = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, weights), grad_out)
+    xr, wr = x.detach().double().requires_grad_(), weights.detach().double().requires_grad_()
+    ref = moe_reference(xr, w1.double(), w2.double(), wr, ids.int(), dtype=torch.float64)
+    want = torch.autograd.grad(ref, (xr, wr), grad_out.double())
+    for name, g, r in zip(("dx", "dtopk_weights"), got, want):
+        assert_close(g, r, torch.float32, name=name)
+    assert module.gate_up_proj.grad is None and module.down_proj.grad is None
 
 
 def test_scales_of_another_shape_are_named():

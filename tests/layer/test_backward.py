@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tmoe
 from tmoe.kernels.moe_grad_act import grad_act_blocks, grad_block_m
+from tmoe.reference import dequantize_fp8_reference
 from tmoe.testing import assert_close
 from tmoe.testing.tolerance import Tolerance
 from tmoe.testing.gradients import layer_grads, reference_grads
@@ -209,3 +210,39 @@ def test_backward_workspaces_are_released_before_the_weight_gradients():
     grad_h_bytes = rows * 2 * 256 * 4
     grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
     assert mode.peak <= grad_bytes + grad_h_bytes + align_bytes, (mode.peak, grad_bytes, grad_h_bytes, align_bytes)
+
+
+FP8_CASES = [
+    Case("fp8-silu", m=9, n=128, k=256),
+    Case("fp8-skewed-m41-out-of-range", m=41, n=128, k=256, routing="out_of_range"),
+    Case("fp8-swigluoai-interleaved-bias", m=7, n=256, k=128, activation="swigluoai", bias=True,
+         options=dict(swiglu_alpha=1.3, swiglu_limit=0.8, gate_up_interleaved=True)),
+    Case("fp8-relu2_no_mul", m=5, n=128, k=128, activation="relu2_no_mul"),
+    Case("fp8-weight-on-input", m=6, n=128, k=256, topk=1, options=dict(apply_router_weight_on_input=True)),
+    Case("fp8-bf16", m=19, n=128, k=256, bias=True, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.name)
+def test_frozen_block_fp8_experts_give_input_and_router_gradients(case):
+    """QLoRA-style: frozen block-fp8 w1/w2 (with their 128 x 128 scales) give the gradients of x,
+    topk_weights and the biases of the layer on the dequantized weights (the backward dequantizes
+    in its kernels and does not quantize x: a straight-through estimate of the activations'
+    quantization), against float64 autograd on those weights."""
+    inputs = _inputs(case)
+    qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(128, 128))
+    quantized, dequantized = {}, {}
+    for name in ("w1", "w2"):
+        q, s = tmoe.quantize_weight_per_block_fp8(inputs[name].detach().float(), (128, 128))
+        quantized[name], quantized[f"{name}_scale"] = q, s
+        dequantized[name] = dequantize_fp8_reference(q, s, (128, 128)).to(case.dtype)
+    options = dict(activation=case.activation, **case.options)
+    grad_out = torch.randn(case.m, case.k, device=DEVICE).to(case.dtype)
+    ours = dict(inputs, w1=quantized["w1"], w2=quantized["w2"])
+    grads = layer_grads(tmoe.fused_experts, ours, grad_out, quant_config=qc, w1_scale=quantized["w1_scale"],
+                        w2_scale=quantized["w2_scale"], **options)
+    ref = reference_grads(dict(inputs, w1=dequantized["w1"], w2=dequantized["w2"]), grad_out, **options)
+    assert grads.keys() == {"hidden_states", "topk_weights"} | ({"w1_bias", "w2_bias"} if case.bias else set())
+    for name, g in grads.items():
+        assert g.dtype == inputs[name].dtype
+        assert_close(g, ref[name], GRAD_TOL[case.dtype], name=f"d{name}")

@@ -6,10 +6,10 @@ transformers' ``FP8Experts`` keeps ``gate_up_proj`` (E, 2I, H) (gate rows, then 
 (E, I, H) when not gated) and ``down_proj`` (E, H, I) in float8_e4m3fn with ``*_scale_inv``
 block scales (E, cdiv(rows, bn), cdiv(cols, bk)) (w = q * scale_inv), and quantizes activations
 dynamically in groups of 1 x bk: tmoe's ``FusedMoEQuantConfig(float8_e4m3fn, block_shape=(bn, bk))``
-takes these tensors as stored. A module this does not fit (static activation scales, fp4 weights,
-a softcapped gate, a gate clamped before its activation, scales of another shape, or a call whose
-inputs require grad: tmoe's fp8 layer has no backward yet) runs its class's own forward, with a
-warning naming why, once per class and reason.
+takes these tensors as stored, forward and backward (the weights frozen: the input and router
+gradients, QLoRA-style). A module this does not fit (static activation scales, fp4 weights, a
+softcapped gate, a gate clamped before its activation, scales of another shape) runs its class's
+own forward, with a warning naming why, once per class and reason.
 """
 from __future__ import annotations
 
@@ -104,15 +104,13 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
         layout = fp8_layout(self)
         if not torch.compiler.is_compiling():
             self.__dict__["_tmoe_fp8_layout"] = layout
-    if not isinstance(layout, str) and torch.is_grad_enabled() and (
-            hidden_states.requires_grad or top_k_weights.requires_grad):
-        layout = "its inputs require grad, and tmoe's fp8 layer has no backward yet"
     if isinstance(layout, str):
         if not torch.compiler.is_compiling():
             warn_once(type(self), layout)
         return eager_forward(type(self))(self, hidden_states, top_k_index, top_k_weights)
     up = "gate_up_proj" if self.has_gate else "up_proj"
-    w1, w2 = getattr(self, up).detach(), self.down_proj.detach()  # frozen: fp8 weights take no gradient
+    # frozen: fp8 weights take no gradient; x, the router weights (and LoRA around them) do
+    w1, w2 = getattr(self, up).detach(), self.down_proj.detach()
     s1, s2 = (getattr(self, f"{p}_scale_inv").detach().float() for p in (up, "down_proj"))  # ue8m0 -> float32
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     out = fused_experts(x, w1, w2, top_k_weights.reshape(x.shape[0], -1).float().contiguous(),

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels._details.common import _sigmoid
+from tmoe.kernels._details.common import _sigmoid, dequant_block
 from tmoe.kernels.activation import activation_params, w1_rows_per_n
+from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
@@ -121,12 +122,16 @@ def _moe_grad_act_kernel(
     grad_h_ptr,  # [P, W1_ROWS] out, aligned rows, w1's row order
     inter_ptr,  # [P, N] out, aligned rows: w * act(h) (ON_INPUT: act(h))
     partial_ptr,  # [P, NUM_PID_N] float32 out
+    s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s)
+    s2_ptr,  # [E, cdiv(K, SCALE_R), cdiv(N, SCALE_C)] float32 (FP8_W)
     num_slots, N, K, alpha, limit,
     stride_gm, stride_gk, stride_xm, stride_xk, stride_w1e, stride_w1r, stride_w1k, stride_w2e, stride_w2k,
-    stride_w2n, stride_b1e, stride_b2e, stride_hm, stride_im, stride_pm,
+    stride_w2n, stride_b1e, stride_b2e, stride_hm, stride_im, stride_pm, stride_s1e, stride_s1r, stride_s1c,
+    stride_s2e, stride_s2r, stride_s2c,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACTIVATION: tl.constexpr, MUL: tl.constexpr, CLAMP: tl.constexpr, INTERLEAVED: tl.constexpr,
     ON_INPUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, PRECISION: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -175,11 +180,19 @@ def _moe_grad_act_kernel(
         w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
         w1g = tl.load(w1_base + gate_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
                       other=0.0)  # [BK, BN]
+        if FP8_W:  # frozen block-fp8 weights, dequantized in registers (w2's rows are K, w1's are 2N)
+            w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :], stride_s2r,
+                                stride_s2c, mask_b, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
+            w1g = dequant_block(w1g, s1_ptr + expert * stride_s1e, gate_rows[None, :], offs_k[:, None], stride_s1r,
+                                stride_s1c, mask_b, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
         acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
         acc_gate = tl.dot(xt, w1g, acc_gate, input_precision=PRECISION)
         if MUL:
             w1u = tl.load(w1_base + up_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
                           other=0.0)  # [BK, BN]
+            if FP8_W:
+                w1u = dequant_block(w1u, s1_ptr + expert * stride_s1e, up_rows[None, :], offs_k[:, None], stride_s1r,
+                                    stride_s1c, mask_b, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
             acc_up = tl.dot(xt, w1u, acc_up, input_precision=PRECISION)
         if HAS_B2:
             b2 = tl.load(b2_ptr + expert * stride_b2e + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
@@ -232,7 +245,7 @@ def moe_grad_act(
     activation: str = "silu", swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
     gate_up_interleaved: bool = False, apply_router_weight_on_input: bool = False,
     w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, block_m: int = 64,
-    tiles: ActTiles | None = None,
+    weight_scales: BlockScales | None = None, tiles: ActTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The intermediate's gradient, the intermediate and the router weights' partial gradients.
 
@@ -243,6 +256,8 @@ def moe_grad_act(
         sorted_ids, expert_ids, num_post_padded: ``moe_align_block_size(topk_ids, block_m, ...)``.
         activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
         w1_bias (E, 2N), w2_bias (E, K): the forward's (``tmoe.modular.LayerArgs``).
+        weight_scales: frozen block-fp8 w1/w2 (float8_e4m3fn) and their block scales; the
+            weights are dequantized to x's dtype in the K loop (x itself is not quantized).
 
     Returns:
         grad_h (P, 2N) in aligned-row order and w1's row order, x's dtype (rows of padding and
@@ -265,12 +280,16 @@ def moe_grad_act(
         return grad_h, inter, partial
     b1 = w1_bias if w1_bias is not None else topk_weights
     b2 = w2_bias if w2_bias is not None else topk_weights
+    s1, s2 = (weight_scales.w1_scale, weight_scales.w2_scale) if weight_scales else (partial, partial)
     fp32 = x.dtype == torch.float32
     launch(_moe_grad_act_kernel, (cdiv(p, block_m), num_pid_n),
            grad_out, x, w1, w2, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, grad_h, inter, partial,
-           num_slots, n, k, alpha, limit,
+           s1, s2, num_slots, n, k, alpha, limit,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
            b1.stride(0), b2.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
+           *scale_strides(s1), *scale_strides(s2), FP8_W=weight_scales is not None,
+           SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
+           SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,
            TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=min(tiles.block_k, 32) if fp32 else tiles.block_k,
            ACTIVATION=activation,
            MUL=per_n == 2, CLAMP=clamp, INTERLEAVED=gate_up_interleaved, ON_INPUT=apply_router_weight_on_input,

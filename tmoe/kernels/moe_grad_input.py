@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tmoe.kernels._details.common import dequant_block
+from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
@@ -43,10 +45,11 @@ def _moe_grad_input_kernel(
     num_post_padded_ptr,  # [1] int32
     grad_slots_ptr,  # [num_slots, K] out
     grad_weights_ptr,  # [num_slots] float32 out (zero-filled by the launcher)
+    s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s)
     num_slots, W1_ROWS, K, num_parts,
-    stride_hm, stride_w1e, stride_w1r, stride_w1k, stride_sm, stride_pm,
+    stride_hm, stride_w1e, stride_w1r, stride_w1k, stride_sm, stride_pm, stride_s1e, stride_s1r, stride_s1c,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PARTS_BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -75,8 +78,11 @@ def _moe_grad_input_kernel(
         mask_r = offs_r < W1_ROWS
         dh = tl.load(grad_h_ptr + rows[:, None] * stride_hm + offs_r[None, :], mask=mask_r[None, :],
                      other=0.0)  # [BM, BR]
-        w = tl.load(w_base + offs_r[:, None] * stride_w1r, mask=mask_r[:, None] & mask_n[None, :],
-                    other=0.0)  # [BR, BN]
+        mask_w = mask_r[:, None] & mask_n[None, :]
+        w = tl.load(w_base + offs_r[:, None] * stride_w1r, mask=mask_w, other=0.0)  # [BR, BN]
+        if FP8_W:  # frozen block-fp8 w1, dequantized in registers
+            w = dequant_block(w, s1_ptr + expert * stride_s1e, offs_r[:, None], offs_n[None, :], stride_s1r,
+                              stride_s1c, mask_w, SCALE_R, SCALE_C, grad_h_ptr.dtype.element_ty)
         acc = tl.dot(dh, w, acc, input_precision=PRECISION)
     tl.store(grad_slots_ptr + slots[:, None] * stride_sm + offs_n[None, :],
              acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -87,7 +93,8 @@ def moe_grad_input(
     grad_h: torch.Tensor, w1: torch.Tensor, partial: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
     num_experts: int, *, expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
-    apply_router_weight_on_input: bool = False, block_m: int = 64, tiles: InputTiles = InputTiles(),
+    apply_router_weight_on_input: bool = False, block_m: int = 64, weight_scales: BlockScales | None = None,
+    tiles: InputTiles = InputTiles(),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dx (M, K) in grad_h's dtype, dL/dtopk_weights (M, topk) float32).
 
@@ -98,6 +105,7 @@ def moe_grad_input(
         num_experts, expert_map, num_local_experts: the forward's; slots no local expert
             computed get exactly zero gradient.
         apply_router_weight_on_input: the forward scaled the input by the router weight.
+        weight_scales: frozen block-fp8 w1 and its block scales (dequantized in the K loop).
     """
     m, topk = topk_ids.shape
     k, w1_rows = w1.shape[2], w1.shape[1]
@@ -107,12 +115,15 @@ def moe_grad_input(
     p = sorted_ids.shape[0]
     if p:
         fp32 = grad_h.dtype == torch.float32
+        s1 = weight_scales.w1_scale if weight_scales else partial
         launch(_moe_grad_input_kernel, (cdiv(p, block_m), cdiv(k, tiles.block_n)),
-               grad_h, w1, partial, sorted_ids, expert_ids, num_post_padded, grad_slots, grad_weights,
+               grad_h, w1, partial, sorted_ids, expert_ids, num_post_padded, grad_slots, grad_weights, s1,
                m * topk, w1_rows, k, partial.shape[1],
-               grad_h.stride(0), *w1.stride(), grad_slots.stride(0), partial.stride(0),
+               grad_h.stride(0), *w1.stride(), grad_slots.stride(0), partial.stride(0), *scale_strides(s1),
                BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK,
-               PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
+               PRECISION="ieee" if fp32 else "tf32", FP8_W=weight_scales is not None,
+               SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
+               SCALE_C=weight_scales.block_shape[1] if weight_scales else 1, num_warps=tiles.num_warps,
                num_stages=min(tiles.num_stages, 2) if fp32 else tiles.num_stages)
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,

@@ -38,6 +38,38 @@ class WeightScales:
 
 
 @dataclass(frozen=True)
+class BlockScales:
+    """Frozen block-fp8 expert weights as the backward kernels read them: w1 (E, rows, K) and w2
+    (E, K, N) float8_e4m3fn, w = q * scale per (bn x bk) block: ``w1_scale`` (E, cdiv(rows, bn),
+    cdiv(K, bk)), ``w2_scale`` (E, cdiv(K, bn), cdiv(N, bk)) float32; ``block_shape`` (bn, bk)."""
+
+    w1_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    block_shape: tuple[int, int]
+
+    @classmethod
+    def of(cls, w1: torch.Tensor, w2: torch.Tensor, w1_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+           block_shape: Sequence[int] | None) -> BlockScales | None:
+        """The value for fp8 weights with their scales (checked), or None for float weights."""
+        if block_shape is None and w1_scale is None and w2_scale is None and w1.dtype not in FP8_DTYPES:
+            return None
+        if block_shape is None or len(block_shape) != 2:
+            raise ValueError(f"fp8 weights need block_shape [bn, bk] for their scales, got {block_shape}")
+        bn, bk = block_shape
+        for name, w, scale in (("w1", w1, w1_scale), ("w2", w2, w2_scale)):
+            if w.dtype not in FP8_DTYPES:
+                raise TypeError(f"{name} must be float8_e4m3fn with block scales, got {w.dtype}")
+            want = (w.shape[0], cdiv(w.shape[1], bn), cdiv(w.shape[2], bk))
+            check_shape(f"{name}_scale", check_tensor(f"{name}_scale", scale, dtypes=(torch.float32,), ndim=3), want)
+        return cls(w1_scale, w2_scale, (bn, bk))
+
+
+def scale_strides(scale: torch.Tensor) -> tuple[int, int, int]:
+    """The (expert, row block, column block) strides of a 3-D block-scale tensor (0s for another)."""
+    return tuple(scale.stride()) if scale.dim() == 3 else (0, 0, 0)
+
+
+@dataclass(frozen=True)
 class Routing:
     """Where a Standard-format GEMM finds its rows: the align stage's outputs."""
 

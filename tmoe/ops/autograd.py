@@ -14,7 +14,7 @@ from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_
 _NUM_LAYER_ARGS = len(LayerArgs._fields)
 _INDEX = {name: i for i, name in enumerate(LayerArgs._fields)}
 # KernelSpec's arguments after the layer's: prepare_finalize kind, its args, group, experts kind, its args, quant...
-_PF, _GROUP, _EXPERTS, _QUANT_DTYPE, _WEIGHT_DTYPE = 0, 2, 3, 5, 9
+_PF, _GROUP, _EXPERTS, _QUANT_DTYPE, _BLOCK_SHAPE, _WEIGHT_DTYPE = 0, 2, 3, 5, 8, 9
 
 
 def inference_only(op: CustomOpDef) -> None:
@@ -43,20 +43,22 @@ def _layer_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
     # the input and router gradients back to the ranks that own the tokens
     ctx.group = inputs[_NUM_LAYER_ARGS + _GROUP] if inputs[_NUM_LAYER_ARGS + _PF] == "allgather" else ""
     ctx.scheme = inputs[_NUM_LAYER_ARGS + _QUANT_DTYPE] or inputs[_NUM_LAYER_ARGS + _WEIGHT_DTYPE]
+    # frozen block-fp8 experts (QLoRA-style): the backward dequantizes the weights in its kernels
+    ctx.block_shape = inputs[_NUM_LAYER_ARGS + _BLOCK_SHAPE] if inputs[_NUM_LAYER_ARGS + _QUANT_DTYPE] else None
     ctx.options = (call.activation, call.swiglu_alpha, call.swiglu_limit, call.gate_up_interleaved,
                    call.apply_router_weight_on_input, call.global_num_experts)
     ctx.save_for_backward(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, call.expert_map,
-                          call.w1_bias, call.w2_bias)
+                          call.w1_bias, call.w2_bias, call.w1_scale, call.w2_scale)
 
 
 def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     """dx, dw1, dw2, dtopk_weights, db1, db2 of the layer: recompute the pre-activation from x,
     the intermediate's gradient with the activation's derivative fused, then the input and weight
     GEMMs. Weight gradients run only for weights that require grad (frozen experts skip them)."""
-    if ctx.scheme is not None:
-        raise NotImplementedError(f"gradients through frozen quantized experts ({ctx.scheme}) are not supported yet: "
-                                  "run the quantized layer under torch.no_grad(), or train float experts")
-    x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias = ctx.saved_tensors
+    if ctx.scheme is not None and ctx.block_shape is None:
+        raise NotImplementedError(f"gradients through frozen quantized experts ({ctx.scheme}) are not supported yet "
+                                  "(block fp8 is): run the quantized layer under torch.no_grad(), or train float experts")
+    x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, w1_scale, w2_scale = ctx.saved_tensors
     activation, alpha, limit, interleaved, on_input, global_num_experts = ctx.options
     needs = ctx.needs_input_grad
     e_local = w1.shape[0]
@@ -72,7 +74,7 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
                                                                            num_experts, expert_map, num_local)
     grad_h, inter, partial = tmoe.moe_grad_act(grad_out, x, w1, w2, topk_weights, sorted_ids, expert_ids,
                                                num_post_padded, block_m, w1_bias, w2_bias, activation, alpha, limit,
-                                               interleaved, on_input)
+                                               interleaved, on_input, w1_scale, w2_scale, ctx.block_shape)
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
     # Each workspace is released once its last reader ran (the peak holds the gradients and grad_h
     # only): dW2 = sum go^T (w a) first (inter holds w a; a alone when the forward scaled the input)
@@ -81,7 +83,8 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     del inter
     if needs[_INDEX["hidden_states"]] or needs[_INDEX["topk_weights"]]:
         grad_x, grad_w = tmoe.moe_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_ids, expert_ids,
-                                             num_post_padded, block_m, num_experts, expert_map, num_local, on_input)
+                                             num_post_padded, block_m, num_experts, expert_map, num_local, on_input,
+                                             w1_scale, ctx.block_shape)
         if ctx.group:  # each rank's tokens collect their slots' gradients from every rank's experts
             grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group).to(grad_x.dtype)
             grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)

@@ -17,6 +17,7 @@ from tmoe.kernels.activation import w1_rows_per_n
 from tmoe.kernels.moe_grad_act import grad_act_blocks, moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
 from tmoe.kernels.moe_grad_weight import moe_grad_weight as _grad_weight
+from tmoe.kernels.operands import BlockScales
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
 from tmoe.modular.distributed import all_gather_rows, reduce_scatter_rows
 
@@ -49,19 +50,23 @@ def moe_grad_act(
     sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor, num_tokens_post_padded: torch.Tensor, block_m: int,
     w1_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, activation: str, swiglu_alpha: float | None,
     swiglu_limit: float | None, gate_up_interleaved: bool, apply_router_weight_on_input: bool,
+    w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, block_shape: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``."""
+    """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``;
+    frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``."""
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
                      num_tokens_post_padded, activation=activation, swiglu_alpha=swiglu_alpha,
                      swiglu_limit=swiglu_limit, gate_up_interleaved=gate_up_interleaved,
                      apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
-                     block_m=block_m)
+                     block_m=block_m, weight_scales=BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape))
 
 
 @moe_grad_act.register_fake
 def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
-      w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input):
+      w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
+      w1_scale=None, w2_scale=None, block_shape=None):
     check_tensor("grad_out", grad_out, dtypes=FLOAT_DTYPES, ndim=2)
+    BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
     return (new((p, w1_rows_per_n(activation) * n)), new((p, n)),
@@ -73,18 +78,26 @@ def moe_grad_input(
     grad_h: torch.Tensor, w1: torch.Tensor, partial: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_tokens_post_padded: torch.Tensor, block_m: int, num_experts: int, expert_map: torch.Tensor | None,
-    num_local_experts: int | None, apply_router_weight_on_input: bool,
+    num_local_experts: int | None, apply_router_weight_on_input: bool, w1_scale: torch.Tensor | None = None,
+    block_shape: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_x (M, K), grad_topk_weights (M, topk) float32): see ``tmoe.kernels.moe_grad_input``."""
+    """(grad_x (M, K), grad_topk_weights (M, topk) float32): see ``tmoe.kernels.moe_grad_input``;
+    a frozen block-fp8 w1 comes with its ``w1_scale`` and ``block_shape``."""
     return _grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
                        num_tokens_post_padded, num_experts, expert_map=expert_map,
                        num_local_experts=num_local_experts, apply_router_weight_on_input=apply_router_weight_on_input,
-                       block_m=block_m)
+                       block_m=block_m, weight_scales=_w1_scales(w1, w1_scale, block_shape))
+
+
+def _w1_scales(w1: torch.Tensor, w1_scale: torch.Tensor | None, block_shape: list[int] | None) -> BlockScales | None:
+    """w1's block scales (checked) for ``moe_grad_input``, which reads no w2."""
+    return BlockScales.of(w1, w1, w1_scale, w1_scale, block_shape)
 
 
 @moe_grad_input.register_fake
 def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m,
-      num_experts, expert_map, num_local_experts, apply_router_weight_on_input):
+      num_experts, expert_map, num_local_experts, apply_router_weight_on_input, w1_scale=None, block_shape=None):
+    _w1_scales(w1, w1_scale, block_shape)
     m, topk = topk_ids.shape
     return grad_h.new_empty((m, w1.shape[2])), grad_h.new_empty((m, topk), dtype=torch.float32)
 

@@ -1,5 +1,5 @@
 """Jit helpers shared by the stage kernels: activations, W1's column blocks, expert ids through
-the expert map, fp8 rounding."""
+the expert map, fp8 rounding, block-fp8 weight tiles."""
 import triton
 import triton.language as tl
 
@@ -102,3 +102,12 @@ def to_fp8(x, scale, FP8_MAX: tl.constexpr):
     """clamp(x / scale, ±FP8_MAX) in float32, x and scale of one shape; NaN stays NaN."""
     q = tl.div_rn(x, scale)
     return tl.where(q != q, q, tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX))
+
+
+@triton.jit
+def dequant_block(q, scale_ptr, rows, cols, stride_sr, stride_sc, mask, SCALE_R: tl.constexpr,
+                  SCALE_C: tl.constexpr, dtype: tl.constexpr):
+    """A tile of block-fp8 weights in ``dtype``: q times the scale of its (SCALE_R x SCALE_C) block,
+    ``rows``/``cols`` the tile's element indices along the weight's rows and columns (broadcast)."""
+    s = tl.load(scale_ptr + (rows // SCALE_R) * stride_sr + (cols // SCALE_C) * stride_sc, mask=mask, other=0.0)
+    return (q.to(tl.float32) * s).to(dtype)
