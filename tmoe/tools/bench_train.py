@@ -29,7 +29,7 @@ from tmoe.tools.bench import count_touched
 from tmoe.tools import peers
 from tmoe.tools.inputs import Shape, make_weights
 from tmoe.tools.results import Env, git_commit
-from tmoe.tools.timing import measure_ceilings
+from tmoe.tools.timing import measure_ceilings, peak_mib, time_ms
 
 SHAPES = {
     "qwen3": Shape("qwen3", 128, 768, 2048, 8),
@@ -121,30 +121,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 26) -> float:
         num += float((x - y).square().sum())
         den += float(y.square().sum())
     return (num / den) ** 0.5 if den > 0 else num ** 0.5
-
-
-def time_ms(step: Callable[[], tuple], device: torch.device, rep_ms: float) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(step, warmup=min(25.0, rep_ms), rep=rep_ms, return_mode="median")
-    t0 = time.perf_counter()
-    step()
-    return 1e3 * (time.perf_counter() - t0)
-
-
-def peak_mib(step: Callable[[], tuple], device: torch.device) -> float | None:
-    """Peak allocated over one step above what was held before it (None on CPU)."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    res = step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del res
-    return peak / 2**20
 
 
 def floor_ms(s: Shape, m: int, touched: int, copy_bw: float, flop_rate: float) -> float:

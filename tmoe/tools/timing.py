@@ -71,6 +71,31 @@ def time_eager(calls: Sequence[Call], rep_ms: float = 100.0) -> float:
     return 1e3 * triton.testing.do_bench(lambda: next(it)(), warmup=10, rep=rep_ms, return_mode="median")
 
 
+def time_ms(step: Callable[[], object], device: torch.device, rep_ms: float) -> float:
+    """The do_bench median of ``step`` in ms on CUDA; one wall-clock call elsewhere."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(step, warmup=min(25.0, rep_ms), rep=rep_ms, return_mode="median")
+    t0 = time.perf_counter()
+    step()
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def peak_mib(step: Callable[[], object], device: torch.device) -> float | None:
+    """Peak allocated over one step above what was held before it (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del res
+    return peak / 2**20
+
+
 def measure_ceilings(with_fp8: bool, trials: int = 5) -> Ceilings:
     """The best of ``trials`` steady-state trials (after a second of warm-up matmuls that bring the
     GPU to its working clock; each trial a do_bench median over 200 ms) of: copy bandwidth (a
