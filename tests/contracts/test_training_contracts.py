@@ -185,3 +185,15 @@ def test_fp8_backward_ops_name_bad_scales(monkeypatch):
     with pytest.raises(TypeError, match="w1_scale must be a torch.Tensor"):
         ops.moe_grad_act(*args[:-3], None, s2, [64, 64])
     assert q1.dtype == torch.float8_e4m3fn
+
+
+def test_alltoall_backward_needs_the_expert_map():
+    """The all-to-all backward finds this rank's experts through the call's expert_map: without
+    one, a call that needs gradients is refused at the forward, naming it."""
+    from tmoe.modular.checks import check_trainable
+
+    x, w1, w2, tw, ids = _layer_inputs()
+    with pytest.raises(ValueError, match="all-to-all expert parallelism's backward needs the layer call's expert_map"):
+        check_trainable(LayerArgs(x, w1, w2, tw, ids), "alltoall", "batched_triton", None, None)
+    check_trainable(LayerArgs(x, w1, w2, tw, ids, expert_map=torch.arange(4, dtype=torch.int32)), "alltoall",
+                    "batched_triton", None, None)

@@ -100,3 +100,119 @@ def test_allgather_gradients_match_single_process_reference(rank_results, name):
             want = ref[n][rows] if n in ("hidden_states", "topk_weights") else shard_experts(ref[n], WORLD, rank,
                                                                                                placement)
             assert_close(g, want, tol, name=f"rank {rank} d{n}")
+
+
+# all-to-all: rank r passes TOKENS[r] tokens (at most MAX_TOKENS); a capacity of 2 rows per
+# (rank, expert) drops slots, which take no gradient
+TOKENS, MAX_TOKENS, CAPACITY = (6, 3), 6, 2
+A2A_CASES = {"silu-drops": dict(activation="silu"),
+             "round-robin-bias-drops": dict(activation="gelu", placement="round_robin", bias=True, out_of_range=True),
+             "no-drops": dict(activation="silu", capacity=MAX_TOKENS)}
+
+
+def _a2a_problem(case: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(100 + seed)
+    m = sum(TOKENS)
+    ids = torch.rand(m, E, generator=g).topk(TOPK, dim=-1).indices.to(torch.int32)
+    if case.get("out_of_range"):
+        ids[1, 0], ids[TOKENS[0] + 1, 1] = E, -1
+    p = dict(hidden_states=torch.randn(m, K, generator=g), w1=torch.randn(E, 2 * N, K, generator=g) / K**0.5,
+             w2=torch.randn(E, K, N, generator=g) / N**0.5, topk_weights=torch.rand(m, TOPK, generator=g),
+             topk_ids=ids, grad_out=torch.randn(m, K, generator=g))
+    if case.get("bias"):
+        p.update(w1_bias=0.3 * torch.randn(E, 2 * N, generator=g), w2_bias=0.3 * torch.randn(E, K, generator=g))
+    return p
+
+
+def _rank_rows(rank: int) -> slice:
+    start = sum(TOKENS[:rank])
+    return slice(start, start + TOKENS[rank])
+
+
+def _kept(ids: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The routing with the slots the dispatch drops set to -1, by hand: per source rank and
+    expert, the first ``capacity`` slots in token-major order are kept."""
+    out = ids.clone()
+    for rank in range(WORLD):
+        seen: dict[int, int] = {}
+        for t in range(_rank_rows(rank).start, _rank_rows(rank).stop):
+            for k in range(TOPK):
+                e = int(ids[t, k])
+                if 0 <= e < E:
+                    seen[e] = seen.get(e, 0) + 1
+                    if seen[e] > capacity:
+                        out[t, k] = -1
+    return out
+
+
+def _a2a_rank_main(rank: int, world: int, init_file: str, out_file: str) -> None:
+    from tmoe.testing import poison
+
+    real_empty = torch.empty
+    torch.empty = lambda *a, **kw: poison(real_empty(*a, **kw))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    import tmoe
+    from tmoe.modular.placement import expert_map, shard_experts
+    from tmoe.testing.gradients import layer_grads
+
+    results = {}
+    for i, (name, case) in enumerate(A2A_CASES.items()):
+        p = _a2a_problem(case, seed=i)
+        placement = case.get("placement", "contiguous")
+        pf = tmoe.AllToAllPrepareAndFinalize(None, MAX_TOKENS, E, case.get("capacity", CAPACITY), placement)
+        layer = tmoe.FusedMoEModularKernel(pf, tmoe.BatchedTritonExperts(pf.expert_capacity))
+        rows = _rank_rows(rank)
+        inputs = {n: p[n][rows] for n in ("hidden_states", "topk_weights", "topk_ids")}
+        for n in ("w1", "w2", "w1_bias", "w2_bias"):
+            inputs[n] = shard_experts(p.get(n), world, rank, placement)
+        for t in inputs.values():
+            if t is not None and t.is_floating_point():
+                t.requires_grad_()
+        opts = dict(activation=case["activation"], global_num_experts=E, expert_map=expert_map(E, world, rank, placement))
+        results[name] = {n: g.detach() for n, g in layer_grads(layer, inputs, p["grad_out"][rows], **opts).items()}
+    with open(f"{out_file}.{rank}", "wb") as f:
+        pickle.dump(results, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def a2a_rank_results():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "grads")
+        mp.spawn(_a2a_rank_main, args=(WORLD, os.path.join(tmp, "init"), out), nprocs=WORLD, join=True)
+        results = []
+        for rank in range(WORLD):
+            with open(f"{out}.{rank}", "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+@pytest.mark.parametrize("name", list(A2A_CASES))
+def test_alltoall_gradients_match_single_process_reference(a2a_rank_results, name):
+    """Each rank's gradients equal the float64 reference of the layer without the dropped slots
+    (their router weights' gradient exactly zero), uneven token counts per rank included."""
+    from tmoe.modular.placement import shard_experts
+    from tmoe.testing import assert_close
+    from tmoe.testing.gradients import reference_grads
+    from tmoe.testing.tolerance import Tolerance
+
+    case = A2A_CASES[name]
+    p = _a2a_problem(case, seed=list(A2A_CASES).index(name))
+    kept = _kept(p["topk_ids"], case.get("capacity", CAPACITY))
+    assert (kept != p["topk_ids"]).any() == (name != "no-drops")
+    inputs = {n: p.get(n) for n in ("hidden_states", "w1", "w2", "topk_weights", "w1_bias", "w2_bias")}
+    inputs["topk_ids"] = kept
+    for t in inputs.values():
+        if t is not None and t.is_floating_point():
+            t.requires_grad_()
+    ref = reference_grads(inputs, p["grad_out"], activation=case["activation"])
+    tol = Tolerance(rel=1e-5, atol=1e-5, rtol=1e-3)
+    placement = case.get("placement", "contiguous")
+    dropped = (kept == -1) & (p["topk_ids"] != -1)
+    for rank, results in enumerate(a2a_rank_results):
+        rows = _rank_rows(rank)
+        for n, g in results[name].items():
+            want = ref[n][rows] if n in ("hidden_states", "topk_weights") else shard_experts(ref[n], WORLD, rank,
+                                                                                               placement)
+            assert_close(g, want, tol, name=f"rank {rank} d{n}")
+        assert torch.all(results[name]["topk_weights"][dropped[rows]] == 0)

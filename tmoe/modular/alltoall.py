@@ -49,6 +49,22 @@ def _all_to_all(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
+def kept_slot_ids(topk_ids: torch.Tensor, tokens_per_rank: int, capacity: int, num_experts: int) -> torch.Tensor:
+    """The gathered routing of every rank (W * tokens_per_rank, topk) with the slots the forward's
+    dispatch dropped set to -1: on each source rank, the slots of an expert past its first
+    ``capacity`` in slot order (token-major), as ``batched_dispatch`` keeps them. Device ops only
+    (a stable sort per rank), no host sync."""
+    m, topk = topk_ids.shape
+    ids = topk_ids.reshape(m // tokens_per_rank, tokens_per_rank * topk).long()
+    keys = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # unrouted slots sort last
+    order = torch.argsort(keys, dim=1, stable=True)
+    ranked = keys.gather(1, order)
+    # a slot's rank among its expert's: its sorted position minus the position of the expert's first slot
+    within = torch.arange(ranked.shape[1], device=ids.device) - torch.searchsorted(ranked, ranked, side="left")
+    ordinal = torch.empty_like(within).scatter_(1, order, within)
+    return torch.where(ordinal < capacity, topk_ids.reshape(ids.shape), -1).reshape(m, topk).to(topk_ids.dtype)
+
+
 @dataclass(frozen=True)
 class AllToAllPrepareResult(PrepareResult):
     """``PrepareResult`` plus what finalize needs to send outputs back: the received counts

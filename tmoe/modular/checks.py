@@ -172,7 +172,7 @@ def check_no_grad_inplace(hidden_states: torch.Tensor) -> None:
 
 
 # the (PrepareAndFinalize, experts) kinds with a backward
-TRAINABLE_PARTS = (("noep", "triton"), ("allgather", "triton"))
+TRAINABLE_PARTS = (("noep", "triton"), ("allgather", "triton"), ("alltoall", "batched_triton"))
 DIFFERENTIABLE = ("hidden_states", "w1", "w2", "topk_weights", "w1_bias", "w2_bias")
 
 
@@ -185,14 +185,19 @@ def needs_grad(args: LayerArgs) -> bool:
 def check_trainable(args: LayerArgs, prepare_finalize: str, experts: str, quant_dtype: str | None,
                     weight_dtype: str | None) -> None:
     """A call that needs gradients runs a layer with a backward: ``TritonExperts`` behind
-    ``NoEPPrepareAndFinalize`` (one device) or ``AllGatherPrepareAndFinalize`` (expert
-    parallelism); quantized (fp8, low-bit) weights only frozen. Raises before any launch, naming
+    ``NoEPPrepareAndFinalize`` (one device) or ``AllGatherPrepareAndFinalize``, or
+    ``BatchedTritonExperts`` behind ``AllToAllPrepareAndFinalize`` (with the call's expert_map);
+    quantized (fp8, low-bit) weights only frozen. Raises before any launch, naming
     what has no backward. (Frozen quantized experts run forward; their backward raises.)"""
     if (prepare_finalize, experts) not in TRAINABLE_PARTS:
         raise NotImplementedError(
             f"the {prepare_finalize!r} PrepareAndFinalize with {experts!r} experts has no backward; gradients need "
             "TritonExperts behind NoEPPrepareAndFinalize (tmoe.fused_experts' default) or "
-            "AllGatherPrepareAndFinalize, or run under torch.no_grad()")
+            "AllGatherPrepareAndFinalize, BatchedTritonExperts behind AllToAllPrepareAndFinalize, or run under "
+            "torch.no_grad()")
+    if prepare_finalize == "alltoall" and args.expert_map is None:
+        raise ValueError("the all-to-all expert parallelism's backward needs the layer call's expert_map "
+                         "(tmoe.modular.placement.expert_map of this rank and the placement)")
     scheme = quant_dtype or weight_dtype
     if scheme is not None and (args.w1.requires_grad or args.w2.requires_grad):
         raise NotImplementedError(f"quantized expert weights ({scheme}) cannot be trained: w1/w2 require grad; train "

@@ -4,9 +4,11 @@ which stay inference-only."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch._library.custom_ops import CustomOpDef
 
 from tmoe.kernels.moe_grad_act import grad_block_m
+from tmoe.modular.alltoall import kept_slot_ids
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import check_trainable
 from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_*)
@@ -14,7 +16,7 @@ from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_
 _NUM_LAYER_ARGS = len(LayerArgs._fields)
 _INDEX = {name: i for i, name in enumerate(LayerArgs._fields)}
 # KernelSpec's arguments after the layer's: prepare_finalize kind, its args, group, experts kind, its args, quant...
-_PF, _GROUP, _EXPERTS, _QUANT_DTYPE, _BLOCK_SHAPE, _WEIGHT_DTYPE = 0, 2, 3, 5, 8, 9
+_PF, _PF_ARGS, _GROUP, _EXPERTS, _QUANT_DTYPE, _BLOCK_SHAPE, _WEIGHT_DTYPE = 0, 1, 2, 3, 5, 8, 9
 
 
 def inference_only(op: CustomOpDef) -> None:
@@ -39,9 +41,12 @@ def _layer_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
     check_layer_inputs_trainable(inputs)
     call = LayerArgs(*inputs[:_NUM_LAYER_ARGS])
     ctx.num_inputs = len(inputs)
-    # all-gather expert parallelism: the backward gathers x, routing and grad_out again, and sums
-    # the input and router gradients back to the ranks that own the tokens
-    ctx.group = inputs[_NUM_LAYER_ARGS + _GROUP] if inputs[_NUM_LAYER_ARGS + _PF] == "allgather" else ""
+    # expert parallelism: the backward gathers x, routing and grad_out of every rank, and sums the
+    # input and router gradients back to the ranks that own the tokens. All-to-all: each rank pads
+    # its tokens to max_tokens_per_rank first, and the slots the dispatch dropped take no gradient.
+    pf, pf_args = inputs[_NUM_LAYER_ARGS + _PF], inputs[_NUM_LAYER_ARGS + _PF_ARGS]
+    ctx.group = inputs[_NUM_LAYER_ARGS + _GROUP] if pf in ("allgather", "alltoall") else ""
+    ctx.alltoall = (pf_args[0], pf_args[2]) if pf == "alltoall" else None  # (max_tokens_per_rank, capacity)
     ctx.scheme = inputs[_NUM_LAYER_ARGS + _QUANT_DTYPE] or inputs[_NUM_LAYER_ARGS + _WEIGHT_DTYPE]
     # frozen block-fp8 experts (QLoRA-style): the backward dequantizes the weights in its kernels
     ctx.block_shape = inputs[_NUM_LAYER_ARGS + _BLOCK_SHAPE] if inputs[_NUM_LAYER_ARGS + _QUANT_DTYPE] else None
@@ -65,9 +70,16 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     num_experts = global_num_experts if global_num_experts > 0 else e_local
     num_local = e_local if expert_map is not None else None
     tmoe = torch.ops.tmoe
+    m = x.shape[0]
+    if ctx.alltoall:  # ranks pass up to max_tokens_per_rank tokens: pad to it (routing -1: no slot)
+        pad = ctx.alltoall[0] - m
+        x, topk_weights, grad_out = (F.pad(t, (0, 0, 0, pad)) for t in (x, topk_weights, grad_out))
+        topk_ids = F.pad(topk_ids, (0, 0, 0, pad), value=-1)
     if ctx.group:
         x, topk_weights, topk_ids, grad_out = (tmoe.ep_all_gather(t, ctx.group)
                                                for t in (x, topk_weights, topk_ids, grad_out))
+    if ctx.alltoall:
+        topk_ids = kept_slot_ids(topk_ids, ctx.alltoall[0], ctx.alltoall[1], num_experts)
     topk_weights = topk_weights.contiguous()
     block_m = grad_block_m(num_experts)
     sorted_ids, expert_ids, num_post_padded, offsets = tmoe.moe_grad_align(topk_ids.contiguous(), block_m,
@@ -86,8 +98,8 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
                                              num_post_padded, block_m, num_experts, expert_map, num_local, on_input,
                                              w1_scale, ctx.block_shape)
         if ctx.group:  # each rank's tokens collect their slots' gradients from every rank's experts
-            grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group).to(grad_x.dtype)
-            grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)
+            grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group)[:m].to(grad_x.dtype)
+            grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)[:m]
         grads[_INDEX["hidden_states"]], grads[_INDEX["topk_weights"]] = grad_x, grad_w
     del partial
     # dW1[e] = sum dh^T x (x times the router weight when the forward scaled the input)
