@@ -15,7 +15,7 @@ USAGE = """usage: python -m tmoe [demo | bench ... | bench-ep ... | bench-hf ...
   tune    tile-config tuning into vLLM-named JSON tables (GPU); tune -h for options
   bench-train  forward+backward time and peak memory against the floor, grouped_mm and Liger (GPU;
           --tiny on CPU); bench-train -h for options
-  tables  the benchmark tables from one run's bench_moe.csv rows; tables -h for options
+  tables  the benchmark tables from one run's bench_moe.csv or bench_train.csv rows; tables -h for options
 """
 
 DEMO_USAGE = """usage: python -m tmoe demo
