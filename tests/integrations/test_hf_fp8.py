@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 import tmoe  # noqa: E402
 import tmoe.integrations.transformers  # noqa: E402,F401  (registers "tmoe")
-from tmoe.integrations import hf_fp8  # noqa: E402
+from tmoe.integrations import hf_fp8, hf_registry  # noqa: E402
 from tmoe.reference import dequantize_fp8_reference, moe_reference  # noqa: E402
 from tmoe.testing import assert_close  # noqa: E402
 
@@ -115,7 +115,7 @@ def test_what_tmoe_cannot_run_takes_its_own_forward(monkeypatch, change, why):
     assert why in hf_fp8.fp8_layout(module)
     own = torch.full((3, H), 5.0, dtype=torch.bfloat16)
     monkeypatch.setattr(hf_fp8, "eager_forward", lambda cls: lambda self, x, ids, w: own)
-    monkeypatch.setattr(hf_fp8, "warn_once", lambda cls, reason: warnings.warn(reason))
+    hf_registry._WARNED.clear()  # each case's reason warns (once per class and reason)
     x, ids, weights = routing(3)
     with torch.no_grad(), pytest.warns(UserWarning, match=why):
         assert module(x, ids, weights) is own

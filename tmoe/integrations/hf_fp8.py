@@ -20,10 +20,8 @@ from torch import nn
 from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
 
 from tmoe.fused import fused_experts
-from tmoe.integrations.hf_layout import (
-    ExpertsLayout, eager_forward, finite_number, no_mul_activation, tmoe_activation,
-)
-from tmoe.integrations.hf_registry import NAME, warn_once
+from tmoe.integrations.hf_layout import ExpertsLayout, eager_forward, gating, no_mul_layout
+from tmoe.integrations.hf_registry import NAME, module_layout
 from tmoe.kernels.sizes import cdiv
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
@@ -42,29 +40,18 @@ class Fp8Layout:
 
 
 def _gate(experts: nn.Module) -> ExpertsLayout | str:
-    """The activation of ``FP8Experts._apply_gate`` (or of ``act_fn`` when not gated)."""
+    """The activation of ``FP8Experts._apply_gate`` (or of ``act_fn`` when not gated), through the
+    registry's own gating decisions (``hf_layout.gating``)."""
     act_fn = getattr(experts, "act_fn", None)
     if not experts.has_gate:
-        activation = no_mul_activation(act_fn)
-        return ExpertsLayout(activation, gated=False) if activation else (
-            f"activation {type(act_fn).__name__} is not one of tmoe's")
+        return no_mul_layout(act_fn)
     if getattr(experts, "gate_softcap", None) is not None:
         return "its gate is softcapped (mlp_gate_softcap), which tmoe's epilogue does not compute"
-    limit, alpha = getattr(experts, "limit", None), getattr(experts, "swiglu_alpha", None)
-    if alpha is not None:  # GPT-OSS's clamped SwiGLU
-        if not (finite_number(alpha) and finite_number(limit) and limit > 0):
-            return f"swigluoai needs a finite alpha and a positive finite limit, got ({alpha}, {limit})"
-        return ExpertsLayout("swigluoai", float(alpha), float(limit))
-    activation = tmoe_activation(act_fn)
-    if activation is None:
-        return f"activation {type(act_fn).__name__} is not one of tmoe's"
-    if limit is None:
-        return ExpertsLayout(activation)
-    if not getattr(experts, "limit_after_act", False):
+    if getattr(experts, "swiglu_alpha", None) is not None:  # GPT-OSS's clamped SwiGLU
+        return gating(experts, ("swiglu_alpha", "limit"), act_fn)
+    if getattr(experts, "limit", None) is not None and not getattr(experts, "limit_after_act", False):
         return "it clamps the gate before its activation (limit without limit_after_act); tmoe clamps after"
-    if activation != "silu" or not finite_number(limit) or limit <= 0:
-        return f"clamps a {activation} gate by {limit}; tmoe clamps silu by a positive finite limit"
-    return ExpertsLayout("silu", swiglu_limit=float(limit))
+    return gating(experts, "clamped", act_fn)  # min(act(gate), limit) * clamp(up, ±limit), or unclamped
 
 
 def fp8_layout(experts: nn.Module) -> Fp8Layout | str:
@@ -99,14 +86,8 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     Returns:
         hidden_states' shape and dtype.
     """
-    layout = self.__dict__.get("_tmoe_fp8_layout")
-    if layout is None:
-        layout = fp8_layout(self)
-        if not torch.compiler.is_compiling():
-            self.__dict__["_tmoe_fp8_layout"] = layout
+    layout = module_layout(self, fp8_layout, "_tmoe_fp8_layout")
     if isinstance(layout, str):
-        if not torch.compiler.is_compiling():
-            warn_once(type(self), layout)
         return eager_forward(type(self))(self, hidden_states, top_k_index, top_k_weights)
     up = "gate_up_proj" if self.has_gate else "up_proj"
     # frozen: fp8 weights take no gradient; x, the router weights (and LoRA around them) do

@@ -132,11 +132,12 @@ def _gate_name(cls: type) -> str:
     return "_default_apply_gate" if default else f"{owner.__name__}._apply_gate"
 
 
-def no_mul_activation(act_fn: object) -> str | None:
-    """tmoe's *_no_mul activation computing ``act_fn(h)`` (non-gated experts); None if tmoe lacks it."""
-    if _RELU2 is not None and isinstance(act_fn, _RELU2):
-        return "relu2_no_mul"
-    return _NO_MUL.get(tmoe_activation(act_fn))
+def no_mul_layout(act_fn: object) -> ExpertsLayout | str:
+    """The layout of non-gated experts computing ``act_fn(h)`` (tmoe's *_no_mul activations); a
+    string says why tmoe cannot run it."""
+    activation = "relu2_no_mul" if _RELU2 is not None and isinstance(act_fn, _RELU2) else _NO_MUL.get(
+        tmoe_activation(act_fn))
+    return ExpertsLayout(activation) if activation else f"activation {type(act_fn).__name__} is not one of tmoe's"
 
 
 def layout_of(experts: nn.Module) -> ExpertsLayout | str:
@@ -155,9 +156,7 @@ def layout_of(experts: nn.Module) -> ExpertsLayout | str:
             return f"its gating {name} is not one tmoe computes"
         layout = gating(experts, GATES[name], getattr(experts, "act_fn", None))
     else:
-        act_fn = getattr(experts, "act_fn", None)
-        activation = no_mul_activation(act_fn)
-        layout = ExpertsLayout(activation) if activation else f"activation {type(act_fn).__name__} is not one of tmoe's"
+        layout = no_mul_layout(getattr(experts, "act_fn", None))
     if isinstance(layout, str):
         return layout
     return replace(layout, interleaved=gated and not experts.is_concatenated, transposed=transposed, gated=gated,

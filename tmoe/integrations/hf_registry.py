@@ -9,6 +9,7 @@ warning naming why, once per class and reason.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,14 +29,16 @@ def warn_once(cls: type, why: str) -> None:
                       stacklevel=3)
 
 
-def module_layout(experts: nn.Module) -> ExpertsLayout | str:
-    """The module's layout, decided at its first eager call and kept on it (under torch.compile
-    the decision is made while tracing and costs nothing per call)."""
-    layout = experts.__dict__.get("_tmoe_layout")
+def module_layout(experts: nn.Module, decide: Callable[[nn.Module], object] = layout_of,
+                  key: str = "_tmoe_layout") -> object:
+    """The module's layout by ``decide`` (a string: why tmoe cannot run it), decided at its first
+    eager call and kept on it under ``key`` (under torch.compile the decision is made while
+    tracing and costs nothing per call); a refusal warns once per class and reason."""
+    layout = experts.__dict__.get(key)
     if layout is None:
-        layout = layout_of(experts)
+        layout = decide(experts)
         if not torch.compiler.is_compiling():
-            experts.__dict__["_tmoe_layout"] = layout
+            experts.__dict__[key] = layout
             if isinstance(layout, str):
                 warn_once(type(experts), layout)
     return layout
