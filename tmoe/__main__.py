@@ -37,6 +37,10 @@ def main(argv: list[str]) -> int:
         from tmoe.tools.bench_ep import main as bench_ep_main
 
         return bench_ep_main(rest) or 0
+    if command == "bench-hf":
+        from tmoe.tools.bench_hf import main as bench_hf_main
+
+        return bench_hf_main(rest) or 0
     if command == "bench-train":
         from tmoe.tools.bench_train import main as bench_train_main
 

@@ -19,3 +19,20 @@ def test_demo_help_prints_usage():
 def test_tune_on_cpu_says_it_needs_a_gpu():
     run = _tmoe("tune")
     assert run.returncode == 2 and "needs a CUDA device" in run.stderr and "Traceback" not in run.stderr
+
+
+COMMANDS = [line.split()[0] for line in __import__("tmoe.__main__", fromlist=["USAGE"]).USAGE.splitlines()[2:]
+            if line.startswith("  ") and not line.startswith("   ")]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_listed_command_answers_help(command, capsys):
+    from tmoe.__main__ import main
+
+    try:
+        code = main([command, "-h"])
+    except SystemExit as stop:
+        code = stop.code
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "usage" in out.out and "unknown command" not in out.err
