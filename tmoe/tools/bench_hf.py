@@ -100,12 +100,15 @@ def generate_ms(implementation: str, batch: int, new_tokens: int, tiny: bool, de
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m tmoe bench-hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run of the script)")
-    p.add_argument("--tokens", type=int, default=4096, help="rows per sequence of the training step")
-    p.add_argument("--batch", type=int, default=4, help="sequences of the training step")
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=None, help="rows per sequence of the training step (4096; 16 with --tiny)")
+    p.add_argument("--batch", type=int, default=None, help="sequences of the training step (4; 2 with --tiny)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens generate adds (64; 4 with --tiny)")
     p.add_argument("--skip", choices=["train", "generate"], default=None)
     p.add_argument("--out", type=Path, default=Path("bench/results/bench_hf.csv"))
     args = p.parse_args(argv)
+    defaults = (16, 2, 4) if args.tiny else (4096, 4, 64)
+    args.tokens, args.batch, args.new_tokens = (given if given is not None else default for given, default in
+                                                zip((args.tokens, args.batch, args.new_tokens), defaults))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     head = [datetime.datetime.now().isoformat(timespec="seconds"), gpu, torch.__version__, triton.__version__,
