@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tmoe.kernels.checks import FLOAT_DTYPES, positive_int
-from tmoe.kernels.activation import w1_rows_per_n
+from tmoe.kernels.activation import Activation
 from tmoe.fused import takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
     ExpertParallel, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize,
@@ -87,7 +87,8 @@ class FusedMoE(nn.Module):
     ``w1`` (E, 2 * intermediate, hidden) gate rows then up rows (``gate_up_interleaved``: alternating;
     a *_no_mul ``activation``: (E, intermediate, hidden)), ``w2`` (E, hidden, intermediate),
     optional ``e_score_correction_bias`` (E,) float32 for sigmoid scoring. ``swiglu_alpha`` and
-    ``swiglu_limit``: the activation's floats (``tmoe.modular.LayerArgs``).
+    ``swiglu_limit``: the activation's floats (``tmoe.modular.LayerArgs``), kept as plain attributes
+    (``act_options``) so that under torch.compile a changed value is honoured without a recompile.
 
     ``expert_parallel`` (``tmoe.ExpertParallel``): the experts are spread over its process group
     and this rank holds its E_local = E / W of them: ``w1``/``w2`` are (E_local, ...) in local-id
@@ -107,7 +108,8 @@ class FusedMoE(nn.Module):
         k, n = positive_int("hidden_size", hidden_size), positive_int("intermediate_size", intermediate_size)
         if not 1 <= positive_int("topk", topk) <= e:
             raise ValueError(f"topk must be in [1, num_experts={e}], got {topk}")
-        check_activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+        act = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+        check_activation(act)
         check_routing(e, topk, scoring, num_expert_group, topk_group)
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES} (the experts' and router's dtype), got {dtype}")
@@ -121,7 +123,7 @@ class FusedMoE(nn.Module):
                                         if score_correction_bias else None)
         self.num_experts, self.expert_parallel = e, expert_parallel
         e_local = e if expert_parallel is None else expert_parallel.num_local_experts(e)
-        self.w1 = nn.Parameter(torch.randn(e_local, w1_rows_per_n(activation) * n, k, **make) / k**0.5,
+        self.w1 = nn.Parameter(torch.randn(e_local, act.rows_per_n * n, k, **make) / k**0.5,
                                requires_grad=False)
         self.w2 = nn.Parameter(torch.randn(e_local, k, n, **make) / n**0.5, requires_grad=False)
         if expert_parallel is not None:

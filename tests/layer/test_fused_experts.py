@@ -9,6 +9,7 @@ from hypothesis import given
 
 import tmoe
 from tmoe.reference import moe_reference
+from tmoe.modular import Route
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem, problems
 
@@ -202,8 +203,10 @@ def test_fused_route_by_size(m, monkeypatch):
     with tmoe.override_route("fused"):
         assert tmoe.config.use_fused_route(m, 2048, 7168, low_bit=True)
     fp8 = tmoe.TritonExperts(tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True))
-    assert not fp8.reduces_topk(m, 8, 768, 2048)
-    assert tmoe.TritonExperts().reduces_topk(m, 8, 768, 2048) is want
+    assert not fp8.route(m, 8, 768, 2048, may_reduce=True).reduces_topk
+    route = tmoe.TritonExperts().route(m, 8, 768, 2048, may_reduce=True)
+    assert route.reduces_topk is want and (route is Route.FUSED) is want
+    assert not tmoe.TritonExperts().route(m, 8, 768, 2048, may_reduce=False).reduces_topk
 
     def fail(*args, **kwargs):
         raise AssertionError("the fused decode path must not align or reduce")

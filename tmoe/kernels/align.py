@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tmoe.kernels._details.align_layout import (
+    chunk_counts, expert_counts, padded_runs, scatter_chunk, slot_experts, write_layout,
+)
 from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.sizes import cdiv, check_num_local_experts, next_power_of_2
 from tmoe.runtime.interpreter import with_interpreter_fixes
@@ -31,85 +34,6 @@ SORT_MAX_SLOTS = 1024
 SORT_SLOT_LIMIT = 4096  # the sorting program holds every slot's key in registers: at most this many
 
 
-@triton.jit
-def _write_layout(
-    starts, totals, ends,  # [E_PAD] int32: first position, slot count, end of the padded run
-    sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
-    numel, num_experts, num_local_experts, max_padded, num_blocks,
-    BLOCK_SIZE: tl.constexpr, E_PAD: tl.constexpr, HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr,
-    TILE: tl.constexpr,
-):
-    """Write everything but the real slots: the padded length, each block's expert (HAS_MAP: its
-    local id, -1 when remote or outside [0, num_local_experts)), the sentinels, and (HAS_OFFSETS)
-    each expert's first position, ``offsets[E]`` = the padded length."""
-    total_padded = tl.sum(ends - starts, axis=0)
-    tl.store(num_post_padded_ptr, total_padded)
-    if HAS_OFFSETS:
-        offs_e = tl.arange(0, E_PAD)
-        tl.store(offsets_ptr + offs_e, starts, mask=offs_e < num_experts)
-        tl.store(offsets_ptr + num_experts, total_padded)
-    for b0 in range(0, num_blocks, TILE):
-        offs_b = b0 + tl.arange(0, TILE)
-        pos = offs_b * BLOCK_SIZE
-        expert = tl.sum((ends[None, :] <= pos[:, None]).to(tl.int32), axis=1)  # [TILE]
-        in_use = pos < total_padded
-        if HAS_MAP:
-            expert = tl.load(expert_map_ptr + expert, mask=in_use, other=0)
-            expert = tl.where((expert >= 0) & (expert < num_local_experts), expert, -1)
-        tl.store(expert_ids_ptr + offs_b, tl.where(in_use, expert, 0), mask=offs_b < num_blocks)
-    for j0 in range(0, BLOCK_SIZE, TILE):
-        pos = (starts + totals)[:, None] + (j0 + tl.arange(0, TILE))[None, :]  # [E_PAD, TILE]
-        tl.store(sorted_ids_ptr + pos, numel, mask=pos < ends[:, None])
-    TAIL: tl.constexpr = 16 * TILE  # the unused tail is up to E * (BLOCK_SIZE - 1) long: wide steps
-    for p0 in range(total_padded, max_padded, TAIL):
-        offs = p0 + tl.arange(0, TAIL)
-        tl.store(sorted_ids_ptr + offs, numel, mask=offs < max_padded)
-
-
-@triton.jit
-def _slot_experts(topk_ids_ptr, offs, numel, num_experts):
-    """(expert ids, valid) of slots ``offs``: slots past numel read -1; valid: an id in [0, num_experts)."""
-    ids = tl.load(topk_ids_ptr + offs, mask=offs < numel, other=-1)
-    return ids, (ids >= 0) & (ids < num_experts)
-
-
-@triton.jit
-def _expert_counts(ids, valid, E_PAD: tl.constexpr):
-    """[E_PAD] int32: the valid slots of each expert."""
-    return tl.histogram(tl.where(valid, ids, 0).to(tl.int32), E_PAD, mask=valid)
-
-
-@triton.jit
-def _chunk_counts(topk_ids_ptr, chunk_start, numel, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
-    ids, valid = _slot_experts(topk_ids_ptr, chunk_start + tl.arange(0, CHUNK), numel, num_experts)
-    return _expert_counts(ids, valid, E_PAD)
-
-
-@triton.jit
-def _scatter_chunk(
-    topk_ids_ptr, sorted_ids_ptr, chunk_start, base,  # base [E_PAD]: position of the chunk's first slot per expert
-    numel, num_experts, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr,
-):
-    offs_e = tl.arange(0, E_PAD)
-    run = base
-    for s in range(0, CHUNK, SUB):
-        offs = chunk_start + s + tl.arange(0, SUB)
-        ids, valid = _slot_experts(topk_ids_ptr, offs, numel, num_experts)
-        onehot = (ids[:, None] == offs_e[None, :]) & valid[:, None]  # [SUB, E_PAD]
-        count = onehot.to(tl.int32)
-        rank = tl.cumsum(count, axis=0) - 1 + run[None, :]
-        pos = tl.sum(tl.where(onehot, rank, 0), axis=1)  # [SUB]
-        tl.store(sorted_ids_ptr + pos, offs.to(tl.int32), mask=valid)
-        run += tl.sum(count, axis=0)
-
-
-@triton.jit
-def _padded_runs(totals, BLOCK_SIZE: tl.constexpr):
-    padded = tl.cdiv(totals, BLOCK_SIZE) * BLOCK_SIZE
-    ends = tl.cumsum(padded, axis=0)
-    return ends - padded, ends
-
-
 @triton.jit(do_not_specialize=['numel', 'max_padded', 'num_blocks'])
 def _align_single_kernel(
     topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr, offsets_ptr,
@@ -118,13 +42,13 @@ def _align_single_kernel(
     HAS_MAP: tl.constexpr, HAS_OFFSETS: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
-    totals = _chunk_counts(topk_ids_ptr, 0, numel, num_experts, CHUNK, E_PAD)
+    totals = chunk_counts(topk_ids_ptr, 0, numel, num_experts, CHUNK, E_PAD)
     pdl_launch_dependents(USE_PDL)  # one program: the next kernel's programs take no slot it needs
-    starts, ends = _padded_runs(totals, BLOCK_SIZE)
-    _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+    starts, ends = padded_runs(totals, BLOCK_SIZE)
+    write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
                   offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
                   HAS_MAP, HAS_OFFSETS, TILE)
-    _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, 0, starts, numel, num_experts, CHUNK, SUB, E_PAD)
+    scatter_chunk(topk_ids_ptr, sorted_ids_ptr, 0, starts, numel, num_experts, CHUNK, SUB, E_PAD)
 
 
 @triton.jit(do_not_specialize=['numel', 'max_padded', 'num_blocks'])
@@ -139,11 +63,11 @@ def _align_sort_kernel(
     the slot at sorted index j of expert e goes to starts[e] + j - (valid slots of experts < e)."""
     pdl_wait(USE_PDL)
     slots = tl.arange(0, NUMEL_PAD)
-    ids, valid = _slot_experts(topk_ids_ptr, slots, numel, num_experts)
-    totals = _expert_counts(ids, valid, E_PAD)
+    ids, valid = slot_experts(topk_ids_ptr, slots, numel, num_experts)
+    totals = expert_counts(ids, valid, E_PAD)
     pdl_launch_dependents(USE_PDL)  # one program: the next kernel's programs take no slot it needs
-    starts, ends = _padded_runs(totals, BLOCK_SIZE)
-    _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+    starts, ends = padded_runs(totals, BLOCK_SIZE)
+    write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
                   offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
                   HAS_MAP, HAS_OFFSETS, TILE)
     keys = tl.sort((tl.where(valid, ids, E_PAD).to(tl.int32) << SLOT_BITS) | slots)  # [NUMEL_PAD]
@@ -158,7 +82,7 @@ def _align_count_kernel(topk_ids_ptr, counts_ptr, numel, num_experts, CHUNK: tl.
                         USE_PDL: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     pdl_wait(USE_PDL)
-    counts = _chunk_counts(topk_ids_ptr, pid * CHUNK, numel, num_experts, CHUNK, E_PAD)
+    counts = chunk_counts(topk_ids_ptr, pid * CHUNK, numel, num_experts, CHUNK, E_PAD)
     pdl_launch_dependents(USE_PDL)
     tl.store(counts_ptr + pid * E_PAD + tl.arange(0, E_PAD), counts)
 
@@ -178,7 +102,7 @@ def _align_scan_kernel(
         offs_c = c0 + tl.arange(0, CT)
         ptrs = counts_ptr + offs_c[:, None] * E_PAD + offs_e[None, :]
         totals += tl.sum(tl.load(ptrs, mask=offs_c[:, None] < num_chunks, other=0), axis=0)
-    starts, ends = _padded_runs(totals, BLOCK_SIZE)
+    starts, ends = padded_runs(totals, BLOCK_SIZE)
     run = starts
     for c0 in range(0, num_chunks, CT):
         offs_c = c0 + tl.arange(0, CT)
@@ -188,7 +112,7 @@ def _align_scan_kernel(
         tl.store(ptrs, tl.cumsum(counts, axis=0) - counts + run[None, :], mask=mask)
         run += tl.sum(counts, axis=0)
     pdl_launch_dependents(USE_PDL)
-    _write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
+    write_layout(starts, totals, ends, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr, expert_map_ptr,
                   offsets_ptr, numel, num_experts, num_local_experts, max_padded, num_blocks, BLOCK_SIZE, E_PAD,
                   HAS_MAP, HAS_OFFSETS, TILE)
 
@@ -201,7 +125,7 @@ def _align_scatter_kernel(
     pid = tl.program_id(0).to(tl.int64)
     pdl_wait(USE_PDL)
     base = tl.load(base_ptr + pid * E_PAD + tl.arange(0, E_PAD))
-    _scatter_chunk(topk_ids_ptr, sorted_ids_ptr, pid * CHUNK, base, numel, num_experts, CHUNK, SUB, E_PAD)
+    scatter_chunk(topk_ids_ptr, sorted_ids_ptr, pid * CHUNK, base, numel, num_experts, CHUNK, SUB, E_PAD)
     pdl_launch_dependents(USE_PDL)  # at the end: the chunk's loads and stores interleave
 
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from tmoe.kernels._details.common import act_and_mul, act_no_mul, local_expert, w1_columns
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul
-from tmoe.kernels.activation import activation_params, w1_rows_per_n
+from tmoe.kernels.activation import Activation
 from tmoe.kernels.sizes import cdiv, next_power_of_2
 from tmoe.kernels._details.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
 from tmoe.kernels.gemm_args import fit_shared_memory, scale_args, weight_bytes
@@ -208,7 +208,7 @@ def moe_fused_decode(
     num_experts: int,
     config: GemmConfig,
     *,
-    activation: str = "silu",
+    activation: Activation = Activation(),
     topk_weights: torch.Tensor | None = None,
     weight_on_input: bool = False,
     expert_map: torch.Tensor | None = None,
@@ -216,9 +216,6 @@ def moe_fused_decode(
     w2_scales: WeightScales | None = None,
     w1_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
-    swiglu_alpha: float | None = None,
-    swiglu_limit: float | None = None,
-    gate_up_interleaved: bool = False,
 ) -> torch.Tensor:
     """partial[s, j] = w_s * (act(x[s // topk] @ W1[e].T + b1)[block j] @ W2[e, :, block j].T (+ b2 in j = 0)).
 
@@ -232,13 +229,12 @@ def moe_fused_decode(
             GEMM's: DOWN_STEP output columns).
         topk_weights: (M, topk) float32 contiguous; ``weight_on_input``: it scales x (not b1), else
             the slot's down product and b2.
-        w1_bias (E, N_w), w2_bias (E, K). Activation options as ``invoke_moe_gemm``.
+        w1_bias (E, N_w), w2_bias (E, K). ``activation`` as ``invoke_moe_gemm``'s.
     Shapes were checked by the caller. Planned: the body runs once per static signature.
     """
     m, topk = topk_ids.shape
-    rows_per_n = w1_rows_per_n(activation)
-    mul = rows_per_n == 2
-    n, k = w1.shape[1] // rows_per_n, x.shape[1]
+    mul = activation.gated
+    n, k = activation.intermediate_size(w1.shape[1]), x.shape[1]
     if m == 0 or n == 0 or k == 0:
         return partial
     budget = shared_memory_budget(x.device)
@@ -248,7 +244,6 @@ def moe_fused_decode(
     w2_size = weight_bytes(w2_scales, w2)
     while (config.num_stages - 1) * bkd * bn * w2_size > budget and bkd > 32:  # the down loop's tiles in flight
         bkd //= 2
-    act_alpha, act_limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
     unused = w1
     return Launch(_moe_fused_decode_kernel, (m * topk * cdiv(n, bn),), dict(
         x_ptr=x, w1_ptr=w1, w2_ptr=w2, part_ptr=partial,
@@ -256,7 +251,6 @@ def moe_fused_decode(
         expert_map_ptr=expert_map if expert_map is not None else topk_ids,
         b1_ptr=w1_bias if w1_bias is not None else unused, b2_ptr=w2_bias if w2_bias is not None else unused,
         N=n, K=k, num_slots=m * topk, num_experts=num_experts, num_local_experts=w1.shape[0],
-        act_alpha=act_alpha, act_limit=act_limit,
         stride_xm=x.stride(0), stride_xk=x.stride(1),
         stride_w1e=w1.stride(0), stride_w1n=w1.stride(1), stride_w1k=w1.stride(2),
         stride_w2e=w2.stride(0), stride_w2k=w2.stride(1), stride_w2n=w2.stride(2),
@@ -265,8 +259,8 @@ def moe_fused_decode(
         stride_b2e=w2_bias.stride(0) if w2_bias is not None else 0,
         **{**_weight_args(1, w1_scales, x, w1, config, bn * (1 + mul)),  # the two share GROUP_K, QUANT, HAS_ZP
            **_weight_args(2, w2_scales, x, w2, GemmConfig(16, bkd, bn, num_warps=config.num_warps), bkd)},
-        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KD=bkd, MUL=mul, INTERLEAVED=mul and gate_up_interleaved,
-        ACTIVATION=activation, CLAMP=clamp, APPLY_WEIGHTS=topk_weights is not None, WEIGHT_ON_INPUT=weight_on_input,
+        TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KD=bkd, **activation.kernel_args(),
+        APPLY_WEIGHTS=topk_weights is not None, WEIGHT_ON_INPUT=weight_on_input,
         HAS_MAP=expert_map is not None, HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
         EVEN_K=k % bk == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(),

@@ -20,7 +20,7 @@ import triton.language as tl
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels._details.common import local_expert, w1_columns
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul, moe_tile_matmul_tma, tile_ids
-from tmoe.kernels.activation import activation_params, w1_rows_per_n
+from tmoe.kernels.activation import NO_ACTIVATION_ARGS, Activation
 from tmoe.kernels.sizes import cdiv
 from tmoe.kernels._details.dequant import b_rows, zero_point_rows
 from tmoe.kernels._details.gemm_epilogue import moe_epilogue
@@ -186,7 +186,7 @@ def invoke_moe_gemm(
     config: GemmConfig,
     *,
     gated: bool,
-    activation: str = "silu",
+    activation: Activation | None = None,
     routing: Routing | DirectRouting | None = None,
     expert_num_tokens: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
@@ -194,9 +194,6 @@ def invoke_moe_gemm(
     bias: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     quant_eps: float = 1e-10,
-    swiglu_alpha: float | None = None,
-    swiglu_limit: float | None = None,
-    gate_up_interleaved: bool = False,
 ) -> torch.Tensor:
     """Launch one expert GEMM into ``out``; exactly one of ``routing`` (Standard: aligned or
     direct, with ``config.block_m`` 16 for direct) and ``expert_num_tokens`` (Batched) is given. ``topk_weights`` ([num_slots] float32) multiplies
@@ -205,13 +202,14 @@ def invoke_moe_gemm(
     quantizes per 1 x g group, g = N_out // out_scale.shape[-1] (a divisor of ``config.block_n``),
     writing the codes to ``out`` and the scales, max(absmax, quant_eps) / 448, to ``out_scale``
     (rows, N_out / g), exactly as ``per_token_group_quant_fp8`` of the float32 intermediate.
-    ``gated`` (the up GEMM): ``w`` is (E, 2N, K) for a gated ``activation`` (``gate_up_interleaved``:
-    row 2j gate j, row 2j + 1 up j; else gate rows then up rows), (E, N, K) for a *_no_mul one;
-    ``swiglu_alpha``/``swiglu_limit`` are runtime floats (see ``activation_params``), so a new
-    value compiles nothing. ``scales`` a ``WeightScales``: ``w`` holds low-bit codes, dequantized
+    ``gated`` (the up GEMM, ``activation`` given; None: silu): ``w`` is (E, 2N, K) for a gated
+    activation (``Activation.interleaved``: row 2j gate j, row 2j + 1 up j; else gate rows then up
+    rows), (E, N, K) for a *_no_mul one; its alpha and limit are runtime floats, so a new value
+    compiles nothing. ``scales`` a ``WeightScales``: ``w`` holds low-bit codes, dequantized
     in the K loop. Shapes were checked by the caller. Planned (``tmoe.runtime.plan.planned``):
     the body runs once per static signature of the arguments."""
-    mul = gated and w1_rows_per_n(activation) == 2
+    act_args = (activation or Activation()).kernel_args() if gated else NO_ACTIVATION_ARGS
+    mul = act_args["MUL"]
     n = w.shape[1] // 2 if mul else w.shape[1]
     k = a.shape[-1]
     batched = routing is None
@@ -246,8 +244,7 @@ def invoke_moe_gemm(
         os_st = (out_scale.stride(0) if batched else 0, out_scale.stride(-2), out_scale.stride(-1))
     else:
         group_out, os_st = 1, (0, 0, 0)
-    w_desc = None if mul and gate_up_interleaved else weight_descriptor(w, config)
-    act_alpha, act_limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
+    w_desc = None if act_args["INTERLEAVED"] else weight_descriptor(w, config)
     num_tiles = num_pid_m * cdiv(n, config.block_n)
     persistent = config.persistent and w_desc is not None and not batched and not isinstance(routing, DirectRouting)
     grid = (persistent_programs(a.device, num_tiles) if persistent else num_tiles,)
@@ -264,8 +261,7 @@ def invoke_moe_gemm(
         stride_we=w.stride(0), stride_wn=w.stride(1), stride_wk=w.stride(2),
         stride_om=out.stride(-2), stride_on=out.stride(-1),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        GATED=gated, MUL=mul, INTERLEAVED=mul and gate_up_interleaved, ACTIVATION=activation, CLAMP=clamp,
-        act_alpha=act_alpha, act_limit=act_limit, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        GATED=gated, **act_args, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, SWAP_AB=config.swap_ab, PERSISTENT=persistent,
         **route, **scale_args(scales, a, w, config, config.block_n * (1 + mul)), **pdl_args(),

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels._details.common import _sigmoid, dequant_block
-from tmoe.kernels.activation import activation_params, w1_rows_per_n
+from tmoe.kernels.activation import Activation
 from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.interpreter import with_interpreter_fixes
@@ -242,8 +242,7 @@ def grad_act_blocks(n: int, block_m: int) -> int:
 def moe_grad_act(
     grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor, *,
-    activation: str = "silu", swiglu_alpha: float | None = None, swiglu_limit: float | None = None,
-    gate_up_interleaved: bool = False, apply_router_weight_on_input: bool = False,
+    activation: Activation = Activation(), apply_router_weight_on_input: bool = False,
     w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, block_m: int = 64,
     weight_scales: BlockScales | None = None, tiles: ActTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -254,8 +253,7 @@ def moe_grad_act(
         w1: (E, 2N, K) (E, N, K for a *_no_mul activation); w2: (E, K, N); x's dtype, any strides.
         topk_weights: (M, topk) float32, contiguous.
         sorted_ids, expert_ids, num_post_padded: ``moe_align_block_size(topk_ids, block_m, ...)``.
-        activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
-        w1_bias (E, 2N), w2_bias (E, K): the forward's (``tmoe.modular.LayerArgs``).
+        activation, apply_router_weight_on_input, w1_bias (E, 2N), w2_bias (E, K): the forward's.
         weight_scales: frozen block-fp8 w1/w2 (float8_e4m3fn) and their block scales; the
             weights are dequantized to x's dtype in the K loop (x itself is not quantized).
 
@@ -268,9 +266,9 @@ def moe_grad_act(
         (P = sorted_ids.numel(); rows at or past num_post_padded are not written).
     """
     num_slots = topk_weights.numel()
-    per_n = w1_rows_per_n(activation)
+    per_n = activation.rows_per_n
     n, k, p = w2.shape[2], x.shape[1], sorted_ids.shape[0]
-    alpha, limit, clamp = activation_params(activation, swiglu_alpha, swiglu_limit)
+    alpha, limit, clamp = activation.floats()
     grad_h = torch.empty((p, per_n * n), dtype=x.dtype, device=x.device)
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
     tiles = tiles or act_tiles(block_m)
@@ -291,8 +289,8 @@ def moe_grad_act(
            SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
            SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,
            TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=min(tiles.block_k, 32) if fp32 else tiles.block_k,
-           ACTIVATION=activation,
-           MUL=per_n == 2, CLAMP=clamp, INTERLEAVED=gate_up_interleaved, ON_INPUT=apply_router_weight_on_input,
+           ACTIVATION=activation.name,
+           MUL=activation.gated, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
            num_stages=min(tiles.num_stages, 2) if fp32 else tiles.num_stages)  # fp32 tiles: twice the bytes

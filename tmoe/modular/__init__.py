@@ -7,7 +7,8 @@ from tmoe.modular.distributed import AllGatherPrepareAndFinalize
 from tmoe.modular.experts import BatchedTritonExperts, TritonExperts
 from tmoe.modular.expert_parallel import ExpertParallel
 from tmoe.modular.interfaces import (
-    FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, PrepareResult,
+    ExpertsCall, FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, PrepareResult,
+    Route,
 )
 from tmoe.modular.kernel import KernelSpec, ModularKernel, build
 from tmoe.modular.placement import PLACEMENTS, expert_map, local_expert_ids, shard_experts
@@ -16,7 +17,7 @@ from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 __all__ = [
     "AllGatherPrepareAndFinalize", "AllToAllPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts",
-    "ExpertParallel", "FusedMoEActivationFormat", "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize",
+    "ExpertParallel", "ExpertsCall", "FusedMoEActivationFormat", "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize",
     "FusedMoEQuantConfig", "KernelSpec", "LayerArgs", "ModularKernel", "NoEPPrepareAndFinalize", "PLACEMENTS",
-    "PrepareResult", "TritonExperts", "build", "expert_map", "local_expert_ids", "shard_experts",
+    "PrepareResult", "Route", "TritonExperts", "build", "expert_map", "local_expert_ids", "shard_experts",
 ]

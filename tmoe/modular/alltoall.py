@@ -199,7 +199,7 @@ class AllToAllPrepareAndFinalize(NamedGroup, FusedMoEPrepareAndFinalize):
                                      recv_offsets=offsets)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
-                 num_experts, expert_map, prepared, num_local_experts) -> None:
+                 num_experts, expert_map, prepared, num_local_experts, reduced=False) -> None:
         k = fused_expert_output.shape[-1]
         y = fused_expert_output.reshape(-1, k)  # (E_local * W * C, K) batches
         segments = ep_permute(y, prepared.recv_counts, prepared.recv_offsets, num_local_experts=self.num_local_experts,

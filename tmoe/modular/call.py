@@ -6,6 +6,8 @@ from typing import NamedTuple
 
 import torch
 
+from tmoe.kernels.activation import Activation
+
 RuntimeFloat = float
 """A float the layer op takes as a ``Scalar`` schema argument and the kernels as a plain (never
 specialised) float argument: a new value compiles no new kernel. Under torch.compile, dynamo keeps
@@ -55,6 +57,10 @@ class LayerArgs(NamedTuple):
     gate_up_interleaved: bool = False
     w1_zp: torch.Tensor | None = None
     w2_zp: torch.Tensor | None = None
+
+    def activation_value(self) -> Activation:
+        """``activation`` and its options as the one value the experts and kernels carry."""
+        return Activation(self.activation, self.swiglu_alpha, self.swiglu_limit, self.gate_up_interleaved)
 
 
 _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "int": "int",

@@ -8,7 +8,7 @@ import math
 import torch
 
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_shape, check_tensor
-from tmoe.kernels.activation import ACTIVATIONS, w1_rows_per_n
+from tmoe.kernels.activation import ACTIVATIONS, Activation
 from tmoe.kernels.router import SCORINGS
 from tmoe.kernels.operands import check_low_bit_operand, codes_per_byte
 from tmoe.modular.call import LayerArgs
@@ -21,14 +21,15 @@ def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[
     """Weight-only int4/int8/mxfp4 (layouts: ``tmoe.kernels.operands.WeightScales``): w1 uint8
     (E, 2N, K / p) ((E, N, K / p) for a *_no_mul activation), w2 uint8 (E, K, N / p), p = 2 for the
     4-bit schemes; scales (E, rows, cdiv(K_in, g)), float (e8m0 uint8 for mxfp4); zero points uint8
-    (E, rows / p, cdiv(K_in, g)). Returns (E, w1 rows)."""
+    (E, rows / p, cdiv(K_in, g)). Returns (E, w1 rows, N)."""
     x, wd = args.hidden_states, quant.weight_dtype
-    check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
+    act = args.activation_value()
+    check_activation(act)
     k = x.shape[1]
     pack = codes_per_byte(wd)
     for name in ("w1", "w2"):
         check_tensor(name, getattr(args, name), dtypes=(torch.uint8,), ndim=3, device=x.device)
-    per_n = w1_rows_per_n(args.activation)
+    per_n = act.rows_per_n
     e, w1_rows = args.w1.shape[0], args.w1.shape[1]
     n = w1_rows // per_n
     if w1_rows % per_n:
@@ -43,7 +44,7 @@ def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[
                               ("w2", (e, k, n), f" for the intermediate size N={n} (w1's {w1_rows} rows)")):
         check_low_bit_operand(name, getattr(args, name), f"{name}_scale", getattr(args, f"{name}_scale"), f"{name}_zp",
                               getattr(args, f"{name}_zp"), wd, quant.group_size, shape, x.device, hint)
-    return e, w1_rows
+    return e, w1_rows, n
 
 
 def call_signature(args: LayerArgs) -> tuple:
@@ -65,8 +66,7 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
             check_tensor(name, t, device=dev)
     m, k = x.shape
     if quant.weight_dtype is not None:
-        e, rows = check_low_bit_weights(args, quant)
-        n = rows // w1_rows_per_n(args.activation)
+        e, rows, n = check_low_bit_weights(args, quant)
     else:
         e, rows, n = _check_weights(args, quant)
     check_tensor("topk_ids", args.topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=dev, contiguous=True)
@@ -96,14 +96,15 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
                              f"and the intermediate size N={n}")
 
 
-def check_activation(act: str, swiglu_alpha: float | None, swiglu_limit: float | None,
-                     gate_up_interleaved: bool) -> None:
-    """The activation and its options: a known name; ``swiglu_alpha`` only with swigluoai (finite);
-    ``swiglu_limit`` only with silu or swigluoai (> 0); ``gate_up_interleaved`` only when gated."""
+def check_activation(activation: Activation) -> None:
+    """The activation and its options, named as the layer takes them: a known ``activation``;
+    ``swiglu_alpha`` only with swigluoai (finite); ``swiglu_limit`` only with silu or swigluoai
+    (> 0); ``gate_up_interleaved`` only when gated."""
+    act = activation.name
     if act not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {act!r}")
-    for name, value, acts in (("swiglu_alpha", swiglu_alpha, ("swigluoai",)),
-                              ("swiglu_limit", swiglu_limit, ("silu", "swigluoai"))):
+    for name, value, acts in (("swiglu_alpha", activation.alpha, ("swigluoai",)),
+                              ("swiglu_limit", activation.limit, ("silu", "swigluoai"))):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.SymFloat, torch.SymInt)):
@@ -114,7 +115,7 @@ def check_activation(act: str, swiglu_alpha: float | None, swiglu_limit: float |
             raise ValueError(f"swiglu_alpha must be finite, got {value}")
         if name == "swiglu_limit" and isinstance(value, (int, float)) and not value > 0:
             raise ValueError(f"swiglu_limit must be > 0, got {value}")
-    if gate_up_interleaved and w1_rows_per_n(act) != 2:
+    if activation.interleaved and not activation.gated:
         raise ValueError(f"gate_up_interleaved needs a gated activation (w1 with gate and up rows), not {act!r}")
 
 
@@ -133,10 +134,11 @@ def _check_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[int, in
     if args.w1_zp is not None or args.w2_zp is not None:
         raise ValueError("w1_zp/w2_zp are zero points of int4/int8 weights; pass "
                          "quant_config=FusedMoEQuantConfig(weight_dtype='int4' or 'int8', group_size=g)")
-    check_activation(args.activation, args.swiglu_alpha, args.swiglu_limit, args.gate_up_interleaved)
+    act = args.activation_value()
+    check_activation(act)
     k = x.shape[1]
     e, rows, k1 = w1.shape
-    per_n = w1_rows_per_n(args.activation)
+    per_n = act.rows_per_n
     if rows % per_n:
         raise ValueError(f"w1 must be (E, 2N, K) with gate rows and up rows; got {rows} rows")
     if k1 != k:

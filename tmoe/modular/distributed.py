@@ -97,7 +97,7 @@ class AllGatherPrepareAndFinalize(NamedGroup, FusedMoEPrepareAndFinalize):
                              topk_weights=all_gather_rows(topk_weights, self.group))
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
-                 num_experts, expert_map, prepared, num_local_experts) -> None:
+                 num_experts, expert_map, prepared, num_local_experts, reduced=False) -> None:
         weights = None if apply_router_weight_on_input else prepared.topk_weights
         partial = torch.empty((fused_expert_output.shape[0], output.shape[1]), dtype=torch.float32,
                               device=output.device)

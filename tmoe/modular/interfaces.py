@@ -11,16 +11,32 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
+from tmoe.kernels.activation import Activation
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 
 class FusedMoEActivationFormat(Enum):
     Standard = "standard"  # (num_tokens, K)
     BatchedExperts = "batched_experts"  # (local_experts, max_tokens_per_expert, K)
+
+
+class Route(Enum):
+    """How the experts run one chunk of a call, decided once per call signature (``route``)."""
+
+    SORTED = "sorted"  # align, then both GEMMs over expert-sorted slots: per-slot outputs (M, topk, K)
+    SLOTS = "slots"  # no align, one row block per slot in both GEMMs: per-slot outputs
+    DIRECT = "direct"  # no align; the down GEMM sums each token's slots: the layer output (M, K)
+    FUSED = "fused"  # up, activation and down in one kernel per slot, then a fixed-order sum: (M, K)
+    BATCHED = "batched"  # (E_local, capacity, K) batches with per-expert token counts in device memory
+
+    @property
+    def reduces_topk(self) -> bool:
+        """Whether the experts write the weighted top-k sum (M, K) themselves."""
+        return self in (Route.DIRECT, Route.FUSED)
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,38 @@ class PrepareResult:
     dispatch_rows: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
+
+
+class ExpertsCall(NamedTuple):
+    """One chunk's experts call: what the call plan decided (the route, the intermediate size, the
+    global expert count, the activation), the prepared activations and the layer's weights.
+
+    ``hidden_states``: the prepared (M', K) (Standard) or (E_local, capacity, K) (Batched)
+    activations, with ``a1q_scale`` when quantized and ``expert_num_tokens`` (E_local,) int32
+    when batched; ``topk_weights``/``topk_ids`` (M', topk) the dispatched routing; the rest are
+    ``tmoe.modular.LayerArgs``'s (``w1`` is (E, N, K) for a *_no_mul activation; ``w1_zp``/
+    ``w2_zp`` zero points of int4/int8 weights)."""
+
+    route: Route
+    n: int
+    num_experts: int
+    activation: Activation
+    hidden_states: torch.Tensor
+    a1q_scale: torch.Tensor | None
+    expert_num_tokens: torch.Tensor | None
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    expert_map: torch.Tensor | None
+    w1_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+    a2_scale: torch.Tensor | None
+    w1_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+    w1_zp: torch.Tensor | None
+    w2_zp: torch.Tensor | None
+    apply_router_weight_on_input: bool
 
 
 PREPARE_FINALIZE_KINDS: dict[str, type[FusedMoEPrepareAndFinalize]] = {}
@@ -82,14 +130,15 @@ class FusedMoEPrepareAndFinalize(ABC):
     def finalize(
         self, output: torch.Tensor, fused_expert_output: torch.Tensor, topk_weights: torch.Tensor,
         topk_ids: torch.Tensor, apply_router_weight_on_input: bool, *, num_experts: int,
-        expert_map: torch.Tensor | None, prepared: PrepareResult, num_local_experts: int,
+        expert_map: torch.Tensor | None, prepared: PrepareResult, num_local_experts: int, reduced: bool = False,
     ) -> None:
         """Write sum_t w[m, t] * expert_output(m, t) into ``output`` (M, K) in place.
-        ``fused_expert_output`` is (M', topk, K) per slot, or (M', K) already summed."""
+        ``fused_expert_output`` is (M', topk, K) per slot, or, ``reduced`` (only when
+        ``accepts_reduced_output``), ``output`` itself, already summed by the experts."""
 
     def accepts_reduced_output(self) -> bool:
         """Whether finalize takes the experts' weighted top-k sum (M, K) in place of per-slot
-        outputs, so that experts which reduce (``reduces_topk``) write the layer output."""
+        outputs, so that experts whose route reduces (``Route.reduces_topk``) write the layer output."""
         return False
 
     def topk_indices_dtype(self) -> torch.dtype | None:
@@ -151,11 +200,11 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
     def supports_expert_map(self) -> bool:
         return False
 
-    def reduces_topk(self, m: int, topk: int, n: int, k: int) -> bool:
-        """Whether apply() at ``m`` tokens (intermediate size ``n``, hidden size ``k``) can write the
-        weighted top-k sum itself: it is then handed an (M, K) ``output`` (when the
-        PrepareAndFinalize accepts reduced output)."""
-        return False
+    @abstractmethod
+    def route(self, m: int, topk: int, n: int, k: int, may_reduce: bool) -> Route:
+        """The route of a chunk of ``m`` prepared tokens (intermediate size ``n``, hidden size
+        ``k``); ``may_reduce``: the PrepareAndFinalize accepts the weighted top-k sum, so a route
+        that ``reduces_topk`` is handed the (M, K) layer output."""
 
     @abstractmethod
     def workspace_shapes(
@@ -165,17 +214,7 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
         the down-GEMM output (the fused output is a view of it), workspace2 the activation."""
 
     @abstractmethod
-    def apply(
-        self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-        topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str, global_num_experts: int,
-        expert_map: torch.Tensor | None, w1_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-        a1q_scale: torch.Tensor | None, a2_scale: torch.Tensor | None, workspace13: torch.Tensor,
-        workspace2: torch.Tensor, expert_num_tokens: torch.Tensor | None, apply_router_weight_on_input: bool,
-        w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-        swiglu_alpha: float | None = None, swiglu_limit: float | None = None, gate_up_interleaved: bool = False,
-        w1_zp: torch.Tensor | None = None, w2_zp: torch.Tensor | None = None,
-    ) -> None:
-        """Expert outputs into ``output``; ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K) are optional
-        per-expert biases (GPT-OSS); ``w1`` is (E, N, K) for a *_no_mul ``activation``. The
-        activation options are ``LayerArgs``'s (runtime floats, the interleaved gate/up layout);
-        ``w1_zp``/``w2_zp`` optional zero points of int4/int8 weights."""
+    def apply(self, output: torch.Tensor, call: ExpertsCall, workspace13: torch.Tensor,
+              workspace2: torch.Tensor) -> None:
+        """Expert outputs into ``output``: per slot (the fused output shape of ``workspace_shapes``),
+        or the weighted top-k sum (M, K) when ``call.route.reduces_topk``."""

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from tmoe.kernels.activation import w1_rows_per_n
+from tmoe.kernels.activation import Activation
 from tmoe.config import config_state
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.plan import LaunchSequence
@@ -19,7 +19,8 @@ from tmoe.runtime.replay import CallReplay
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import call_signature, check_layer_call, check_static_scales
 from tmoe.modular.interfaces import (
-    EXPERTS_KINDS, PREPARE_FINALIZE_KINDS, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize,
+    EXPERTS_KINDS, PREPARE_FINALIZE_KINDS, ExpertsCall, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize,
+    Route,
 )
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
@@ -100,11 +101,21 @@ class KernelSpec:
         return cls(pf, tuple(pf_args or ()), group_name, experts, tuple(experts_args or ()), quant, chunk_size)
 
 
+class ChunkPlan(NamedTuple):
+    """One chunk of a call: its token range, the experts' route and the workspace and fused-output shapes."""
+
+    start: int
+    end: int
+    route: Route
+    ws13: tuple[int, ...]
+    ws2: tuple[int, ...]
+    out: tuple[int, ...]
+
+
 class CallPlan(NamedTuple):
-    """What a call's signature fixes: sizes, the chunk, the workspace and fused-output shapes, the
-    sequence of planned launches (recorded on the first call, replayed after) and the whole call's
-    launches (recorded on the second call, replayed after; not with a process group: collectives
-    are no Triton launches)."""
+    """What a call's signature fixes: sizes, the activation, the chunks, the sequence of planned
+    launches (recorded on the first call, replayed after) and the whole call's launches (recorded
+    on the second call, replayed after; not with a process group: collectives are no Triton launches)."""
 
     m: int
     k: int
@@ -112,10 +123,8 @@ class CallPlan(NamedTuple):
     topk: int
     e_local: int
     num_experts: int
-    chunk: int
-    ws13: tuple[int, ...]
-    ws2: tuple[int, ...]
-    out: tuple[int, ...]
+    activation: Activation
+    chunks: tuple[ChunkPlan, ...]  # the first is the largest
     launches: LaunchSequence
     replay: CallReplay | None
 
@@ -156,23 +165,18 @@ class ModularKernel:
             return self._run_chunks(output, args, plan)
 
     def _run_chunks(self, output: torch.Tensor, args: LayerArgs, plan: CallPlan) -> torch.Tensor:
-        experts, pf = self.fused_experts, self.prepare_finalize
-        m, chunk = plan.m, plan.chunk
-        x = args.hidden_states
-        if m <= chunk:  # one chunk (an empty one when a collective prepare/finalize must run): no slicing
-            self._run_chunk(output, args, x, args.topk_ids, args.topk_weights, plan,
-                            torch.empty(plan.ws13, dtype=x.dtype, device=x.device),
-                            torch.empty(plan.ws2, dtype=x.dtype, device=x.device), plan.out)
+        x, first = args.hidden_states, plan.chunks[0]
+        if len(plan.chunks) == 1:  # one chunk (an empty one when a collective prepare/finalize must run): no slicing
+            self._run_chunk(output, args, x, args.topk_ids, args.topk_weights, plan, first,
+                            torch.empty(first.ws13, dtype=x.dtype, device=x.device),
+                            torch.empty(first.ws2, dtype=x.dtype, device=x.device))
             return output
-        workspace13 = torch.empty(math.prod(plan.ws13), dtype=x.dtype, device=x.device)
-        workspace2 = torch.empty(math.prod(plan.ws2), dtype=x.dtype, device=x.device)
-        for start in range(0, m, chunk):
-            end = min(m, start + chunk)
-            xc = x[start:end]
-            s13, s2, s_out = experts.workspace_shapes(xc, pf.num_dispatched_tokens(end - start), plan.n, plan.k,
-                                                      plan.topk, plan.num_experts, plan.e_local)
-            self._run_chunk(output[start:end], args, xc, args.topk_ids[start:end], args.topk_weights[start:end], plan,
-                            workspace13[: math.prod(s13)].view(s13), workspace2[: math.prod(s2)].view(s2), s_out)
+        workspace13 = torch.empty(math.prod(first.ws13), dtype=x.dtype, device=x.device)
+        workspace2 = torch.empty(math.prod(first.ws2), dtype=x.dtype, device=x.device)
+        for c in plan.chunks:
+            rows = slice(c.start, c.end)
+            self._run_chunk(output[rows], args, x[rows], args.topk_ids[rows], args.topk_weights[rows], plan, c,
+                            workspace13[: math.prod(c.ws13)].view(c.ws13), workspace2[: math.prod(c.ws2)].view(c.ws2))
         return output
 
     def _plan(self, args: LayerArgs, chunk_size: int) -> CallPlan:
@@ -184,33 +188,43 @@ class ModularKernel:
         x, w1 = args.hidden_states, args.w1
         m, k = x.shape
         topk = args.topk_ids.shape[1]
-        e_local, n = w1.shape[0], w1.shape[1] // w1_rows_per_n(args.activation)
+        activation = args.activation_value()
+        e_local, n = w1.shape[0], activation.intermediate_size(w1.shape[1])
         num_experts = args.global_num_experts if args.global_num_experts > 0 else e_local
         pf.check_local_experts(e_local)
         chunk = max(1, min(m, chunk_size) if experts.supports_chunking() else m)
-        ws13, ws2, out = experts.workspace_shapes(x, pf.num_dispatched_tokens(min(m, chunk)), n, k, topk, num_experts,
-                                                  e_local)
+        may_reduce = pf.accepts_reduced_output()
+        chunks = []
+        for start in range(0, max(m, 1), chunk):  # m == 0: one empty chunk
+            end = min(m, start + chunk)
+            rows = pf.num_dispatched_tokens(end - start)
+            route = experts.route(rows, topk, n, k, may_reduce)
+            if route.reduces_topk and not may_reduce:
+                raise ValueError(f"{type(experts).__name__} chose route {route.name}, which sums the top-k slots, "
+                                 f"but {type(pf).__name__} does not accept reduced output")
+            chunks.append(ChunkPlan(start, end, route, *experts.workspace_shapes(x[start:end], rows, n, k, topk,
+                                                                                  num_experts, e_local)))
         replay = None if pf.group_name() else CallReplay()
-        return CallPlan(m, k, n, topk, e_local, num_experts, chunk, ws13, ws2, out, LaunchSequence(), replay)
+        return CallPlan(m, k, n, topk, e_local, num_experts, activation, tuple(chunks), LaunchSequence(), replay)
 
     def _run_chunk(self, output: torch.Tensor, args: LayerArgs, x: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, plan: CallPlan, ws13: torch.Tensor, ws2: torch.Tensor,
-                   out_shape: tuple[int, ...]) -> None:
+                   weights: torch.Tensor, plan: CallPlan, chunk: ChunkPlan, ws13: torch.Tensor,
+                   ws2: torch.Tensor) -> None:
         experts, pf = self.fused_experts, self.prepare_finalize
-        prepared = pf.prepare(x, weights, ids, plan.num_experts, args.expert_map, args.apply_router_weight_on_input,
-                              experts.quant_config, args.a1_scale)
-        reduced = pf.accepts_reduced_output() and experts.reduces_topk(prepared.a1q.shape[0], plan.topk, plan.n, plan.k)
-        fused_out = output if reduced else ws13.view(out_shape)
-        expert_ids = prepared.topk_ids if prepared.topk_ids is not None else ids
-        expert_weights = prepared.topk_weights if prepared.topk_weights is not None else weights
-        experts.apply(fused_out, prepared.a1q, args.w1, args.w2, expert_weights, expert_ids, args.activation,
-                      plan.num_experts, args.expert_map, args.w1_scale, args.w2_scale, prepared.a1q_scale,
-                      args.a2_scale, ws13, ws2, prepared.expert_num_tokens, args.apply_router_weight_on_input,
-                      w1_bias=args.w1_bias, w2_bias=args.w2_bias, w1_zp=args.w1_zp, w2_zp=args.w2_zp,
-                      swiglu_alpha=args.swiglu_alpha, swiglu_limit=args.swiglu_limit,
-                      gate_up_interleaved=args.gate_up_interleaved)
-        pf.finalize(output, fused_out, weights, ids, args.apply_router_weight_on_input, num_experts=plan.num_experts,
-                    expert_map=args.expert_map, prepared=prepared, num_local_experts=plan.e_local)
+        on_input = args.apply_router_weight_on_input
+        prepared = pf.prepare(x, weights, ids, plan.num_experts, args.expert_map, on_input, experts.quant_config,
+                              args.a1_scale)
+        reduced = chunk.route.reduces_topk
+        fused_out = output if reduced else ws13.view(chunk.out)
+        call = ExpertsCall(
+            chunk.route, plan.n, plan.num_experts, plan.activation, prepared.a1q, prepared.a1q_scale,
+            prepared.expert_num_tokens, prepared.topk_weights if prepared.topk_weights is not None else weights,
+            prepared.topk_ids if prepared.topk_ids is not None else ids, args.w1, args.w2, args.expert_map,
+            args.w1_scale, args.w2_scale, args.a2_scale, args.w1_bias, args.w2_bias, args.w1_zp, args.w2_zp, on_input,
+        )
+        experts.apply(fused_out, call, ws13, ws2)
+        pf.finalize(output, fused_out, weights, ids, on_input, num_experts=plan.num_experts,
+                    expert_map=args.expert_map, prepared=prepared, num_local_experts=plan.e_local, reduced=reduced)
 
 
 @functools.lru_cache(maxsize=256)

@@ -29,8 +29,8 @@ class NoEPPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         return True
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
-                 num_experts, expert_map, prepared, num_local_experts) -> None:
-        if fused_expert_output.dim() == 2:  # the experts wrote the weighted sum into output itself
+                 num_experts, expert_map, prepared, num_local_experts, reduced=False) -> None:
+        if reduced:  # the experts wrote the weighted sum into output itself
             return
         weights = None if apply_router_weight_on_input else topk_weights
         moe_reduce(fused_expert_output, topk_ids, num_experts, weights, expert_map, out=output,
@@ -79,6 +79,6 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalize):
         return PrepareResult(batches, batch_scale if row_scale is not None else scale, expert_num_tokens, rows)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input, *,
-                 num_experts, expert_map, prepared, num_local_experts) -> None:
+                 num_experts, expert_map, prepared, num_local_experts, reduced=False) -> None:
         flat = fused_expert_output.reshape(-1, fused_expert_output.shape[-1])
         moe_reduce(flat, topk_ids, num_experts, topk_weights, None, out=output, rows=prepared.dispatch_rows)

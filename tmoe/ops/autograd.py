@@ -50,8 +50,8 @@ def _layer_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
     ctx.scheme = inputs[_NUM_LAYER_ARGS + _QUANT_DTYPE] or inputs[_NUM_LAYER_ARGS + _WEIGHT_DTYPE]
     # frozen block-fp8 experts (QLoRA-style): the backward dequantizes the weights in its kernels
     ctx.block_shape = inputs[_NUM_LAYER_ARGS + _BLOCK_SHAPE] if inputs[_NUM_LAYER_ARGS + _QUANT_DTYPE] else None
-    ctx.options = (call.activation, call.swiglu_alpha, call.swiglu_limit, call.gate_up_interleaved,
-                   call.apply_router_weight_on_input, call.global_num_experts)
+    ctx.activation = call.activation_value()
+    ctx.options = (call.apply_router_weight_on_input, call.global_num_experts)
     ctx.save_for_backward(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, call.expert_map,
                           call.w1_bias, call.w2_bias, call.w1_scale, call.w2_scale)
 
@@ -64,7 +64,7 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
         raise NotImplementedError(f"gradients through frozen quantized experts ({ctx.scheme}) are not supported yet "
                                   "(block fp8 is): run the quantized layer under torch.no_grad(), or train float experts")
     x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, w1_scale, w2_scale = ctx.saved_tensors
-    activation, alpha, limit, interleaved, on_input, global_num_experts = ctx.options
+    act, (on_input, global_num_experts) = ctx.activation, ctx.options
     needs = ctx.needs_input_grad
     e_local = w1.shape[0]
     num_experts = global_num_experts if global_num_experts > 0 else e_local
@@ -85,8 +85,9 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     sorted_ids, expert_ids, num_post_padded, offsets = tmoe.moe_grad_align(topk_ids.contiguous(), block_m,
                                                                            num_experts, expert_map, num_local)
     grad_h, inter, partial = tmoe.moe_grad_act(grad_out, x, w1, w2, topk_weights, sorted_ids, expert_ids,
-                                               num_post_padded, block_m, w1_bias, w2_bias, activation, alpha, limit,
-                                               interleaved, on_input, w1_scale, w2_scale, ctx.block_shape)
+                                               num_post_padded, block_m, w1_bias, w2_bias, act.name, act.alpha,
+                                               act.limit, act.interleaved, on_input, w1_scale, w2_scale,
+                                               ctx.block_shape)
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
     # Each workspace is released once its last reader ran (the peak holds the gradients and grad_h
     # only): dW2 = sum go^T (w a) first (inter holds w a; a alone when the forward scaled the input)

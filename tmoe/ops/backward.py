@@ -13,7 +13,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
-from tmoe.kernels.activation import w1_rows_per_n
+from tmoe.kernels.activation import Activation
 from tmoe.kernels.moe_grad_act import grad_act_blocks, moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
 from tmoe.kernels.moe_grad_weight import moe_grad_weight as _grad_weight
@@ -55,8 +55,8 @@ def moe_grad_act(
     """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``;
     frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``."""
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
-                     num_tokens_post_padded, activation=activation, swiglu_alpha=swiglu_alpha,
-                     swiglu_limit=swiglu_limit, gate_up_interleaved=gate_up_interleaved,
+                     num_tokens_post_padded,
+                     activation=Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved),
                      apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
                      block_m=block_m, weight_scales=BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape))
 
@@ -69,7 +69,7 @@ def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_token
     BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
-    return (new((p, w1_rows_per_n(activation) * n)), new((p, n)),
+    return (new((p, Activation(activation).rows_per_n * n)), new((p, n)),
             new((p, grad_act_blocks(n, block_m)), dtype=torch.float32))
 
 

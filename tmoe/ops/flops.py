@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from tmoe.kernels.activation import w1_rows_per_n
+from tmoe.kernels.activation import Activation
 
 Formula = Callable[[dict], int]
 
@@ -34,7 +34,7 @@ def layer_flops(a: dict) -> int:
     m, k = a["hidden_states"]
     topk = a["topk_ids"][1]
     rows = a["w1"][1]
-    n = rows // w1_rows_per_n(a["activation"])
+    n = Activation(a["activation"]).intermediate_size(rows)
     return 2 * m * topk * (k * rows + n * k)
 
 

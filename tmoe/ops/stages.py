@@ -1,4 +1,5 @@
-"""The stage ops ``torch.ops.tmoe.<stage>`` and their fakes. Implementations call the stage
+"""The stage ops ``torch.ops.tmoe.<stage>`` (align, the two GEMMs, reduce, the router; the fp8
+quantization ops are in ``tmoe.ops.quant``) and their fakes. Implementations call the stage
 launchers in ``tmoe.kernels``; fakes check what the launchers check (naming the argument) and
 return tensors sized from static shapes only, with no branch on a symbolic size."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 from tmoe.kernels.checks import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.config import get_config
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size as _align
-from tmoe.kernels.activation import w1_rows_per_n
+from tmoe.kernels.activation import Activation
 from tmoe.kernels.sizes import cdiv
 from tmoe.kernels.operands import (
     Routing, Scales, WeightScales, check_gemm_operands, check_low_bit_operand, operand_scales,
@@ -18,13 +19,6 @@ from tmoe.kernels.operands import (
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.modular.checks import check_activation
 from tmoe.modular.quant_config import FusedMoEQuantConfig
-from tmoe.kernels.quant import (
-    FP8_DTYPE,
-    alloc_group_scales,
-    per_token_group_quant_fp8 as _per_token_group_quant_fp8,
-    per_token_quant_fp8 as _per_token_quant_fp8,
-    static_quant_fp8 as _static_quant_fp8,
-)
 from tmoe.kernels.reduce import moe_reduce as _reduce
 from tmoe.kernels.router import topk_route as _topk_route
 from tmoe.ops.autograd import inference_only, register_router_autograd
@@ -95,16 +89,16 @@ def _check_operands(a, w, a_name, w_name, k_dim, a_scale, w_scale, w_zp, low_bit
                           f" for {a_name} (..., {k_dim}={a.shape[-1]})")
 
 
-def _check_gemm(a, w, routing, block_m, gated, topk_weights, num_slots, a_name, w_name, k_dim, topk,
-                activation="silu", swiglu_alpha=None, swiglu_limit=None, gate_up_interleaved=False, a_scale=None,
-                w_scale=None, w_zp=None, low_bit=None) -> None:
+def _check_gemm(a, w, routing, block_m, activation: Activation | None, topk_weights, num_slots, a_name, w_name,
+                k_dim, topk, a_scale=None, w_scale=None, w_zp=None, low_bit=None) -> None:
+    """A stage GEMM's arguments; ``activation`` given for the up GEMM (None: the down GEMM)."""
     _check_operands(a, w, a_name, w_name, k_dim, a_scale, w_scale, w_zp, low_bit)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1 or num_slots % topk:
         raise ValueError(f"topk must be a positive int dividing the {num_slots} slots, got {topk!r}")
     _check_routing(a, *routing, block_m)
-    if gated:
-        check_activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
-        if w.shape[1] % w1_rows_per_n(activation):
+    if activation is not None:
+        check_activation(activation)
+        if w.shape[1] % activation.rows_per_n:
             raise ValueError(f"{w_name} must be (E, 2N, K) with gate rows and up rows; got {w.shape[1]} rows")
     if topk_weights is not None:
         check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), device=a.device)
@@ -113,11 +107,13 @@ def _check_gemm(a, w, routing, block_m, gated, topk_weights, num_slots, a_name, 
                              f"{tuple(topk_weights.shape)}")
 
 
-def _gemm(a, w, routing, m, topk, a_row_div, block_m, gated, activation, topk_weights, a_scale, w_scale,
-          block_shape, out_dtype, w_zp=None, low_bit=None, **act_options) -> torch.Tensor:
-    """One expert GEMM with the tiles the layer uses at (M=m, E, N, K, topk)."""
+def _gemm(a, w, routing, m, topk, a_row_div, block_m, activation: Activation | None, topk_weights, a_scale, w_scale,
+          block_shape, out_dtype, w_zp=None, low_bit=None) -> torch.Tensor:
+    """One expert GEMM with the tiles the layer uses at (M=m, E, N, K, topk); the up GEMM when
+    ``activation`` is given."""
     num_slots = m * topk
-    n_out = w.shape[1] // w1_rows_per_n(activation) if gated else w.shape[1]
+    gated = activation is not None
+    n_out = activation.intermediate_size(w.shape[1]) if gated else w.shape[1]
     # the layer's (N, K), from a's width (low-bit weights pack theirs): w1 (E, 2N, K), w2 (E, K, N)
     n, k = (n_out, a.shape[-1]) if gated else (a.shape[-1], w.shape[1])
     if low_bit is not None:
@@ -130,7 +126,7 @@ def _gemm(a, w, routing, m, topk, a_row_div, block_m, gated, activation, topk_we
     weights = topk_weights.reshape(-1) if topk_weights is not None else None
     return invoke_moe_gemm(a, w, out, gemm_cfg, gated=gated, activation=activation,
                            routing=Routing(*routing, num_slots, a_row_div), topk_weights=weights,
-                           scales=_scales(a_scale, w_scale, block_shape, w_zp, low_bit), **act_options)
+                           scales=_scales(a_scale, w_scale, block_shape, w_zp, low_bit))
 
 
 @torch.library.custom_op("tmoe::moe_gemm_up", mutates_args=())
@@ -150,12 +146,12 @@ def moe_gemm_up(
     ``w_zp``) their group scales (zero points), as the layer takes them."""
     routing = (sorted_token_ids, expert_ids, num_tokens_post_padded)
     m = hidden_states.shape[0]
-    act = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, gate_up_interleaved=gate_up_interleaved)
+    act = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
     low_bit = _low_bit(weight_dtype, group_size)
-    _check_gemm(hidden_states, w1, routing, block_m, True, topk_weights, m * topk, "hidden_states", "w1", "K",
-                topk, activation, **act, a_scale=a_scale, w_scale=w_scale, w_zp=w_zp, low_bit=low_bit)
-    return _gemm(hidden_states, w1, routing, m, topk, topk, block_m, True, activation, topk_weights, a_scale,
-                 w_scale, block_shape, out_dtype, w_zp, low_bit, **act)
+    _check_gemm(hidden_states, w1, routing, block_m, act, topk_weights, m * topk, "hidden_states", "w1", "K",
+                topk, a_scale=a_scale, w_scale=w_scale, w_zp=w_zp, low_bit=low_bit)
+    return _gemm(hidden_states, w1, routing, m, topk, topk, block_m, act, topk_weights, a_scale,
+                 w_scale, block_shape, out_dtype, w_zp, low_bit)
 
 
 @moe_gemm_up.register_fake
@@ -163,10 +159,11 @@ def _(hidden_states, w1, sorted_token_ids, expert_ids, num_tokens_post_padded, t
       topk_weights=None, a_scale=None, w_scale=None, block_shape=None, out_dtype=None, swiglu_alpha=None,
       swiglu_limit=None, gate_up_interleaved=False, w_zp=None, weight_dtype=None, group_size=0):
     m = hidden_states.shape[0]
-    _check_gemm(hidden_states, w1, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, True,
-                topk_weights, m * topk, "hidden_states", "w1", "K", topk, activation, swiglu_alpha, swiglu_limit,
-                gate_up_interleaved, a_scale, w_scale, w_zp, _low_bit(weight_dtype, group_size))
-    return hidden_states.new_empty((m * topk, w1.shape[1] // w1_rows_per_n(activation)),
+    act = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+    _check_gemm(hidden_states, w1, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, act,
+                topk_weights, m * topk, "hidden_states", "w1", "K", topk, a_scale, w_scale, w_zp,
+                _low_bit(weight_dtype, group_size))
+    return hidden_states.new_empty((m * topk, act.intermediate_size(w1.shape[1])),
                                    dtype=out_dtype or hidden_states.dtype)
 
 
@@ -184,16 +181,16 @@ def moe_gemm_down(
     routing = (sorted_token_ids, expert_ids, num_tokens_post_padded)
     num_slots = intermediate.shape[0]
     low_bit = _low_bit(weight_dtype, group_size)
-    _check_gemm(intermediate, w2, routing, block_m, False, topk_weights, num_slots, "intermediate", "w2", "N", topk,
+    _check_gemm(intermediate, w2, routing, block_m, None, topk_weights, num_slots, "intermediate", "w2", "N", topk,
                 a_scale=a_scale, w_scale=w_scale, w_zp=w_zp, low_bit=low_bit)
-    return _gemm(intermediate, w2, routing, num_slots // topk, topk, 1, block_m, False, "silu", topk_weights,
+    return _gemm(intermediate, w2, routing, num_slots // topk, topk, 1, block_m, None, topk_weights,
                  a_scale, w_scale, block_shape, out_dtype, w_zp, low_bit)
 
 
 @moe_gemm_down.register_fake
 def _(intermediate, w2, sorted_token_ids, expert_ids, num_tokens_post_padded, topk, block_m, topk_weights=None,
       a_scale=None, w_scale=None, block_shape=None, out_dtype=None, w_zp=None, weight_dtype=None, group_size=0):
-    _check_gemm(intermediate, w2, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, False,
+    _check_gemm(intermediate, w2, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, None,
                 topk_weights, intermediate.shape[0], "intermediate", "w2", "N", topk, a_scale=a_scale,
                 w_scale=w_scale, w_zp=w_zp, low_bit=_low_bit(weight_dtype, group_size))
     return intermediate.new_empty((intermediate.shape[0], w2.shape[1]), dtype=out_dtype or intermediate.dtype)
@@ -249,58 +246,6 @@ def _(router_logits, topk, scoring="softmax", renormalize=True, num_expert_group
     return new((m, topk), dtype=torch.float32), new((m, topk), dtype=torch.int32)
 
 
-def _check_quant_input(x: torch.Tensor) -> None:
-    check_tensor("x", x, dtypes=FLOAT_DTYPES)
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dimension (..., K)")
-
-
-@torch.library.custom_op("tmoe::per_token_group_quant_fp8", mutates_args=())
-def per_token_group_quant_fp8(
-    x: torch.Tensor, group_size: int, eps: float = 1e-10, column_major_scales: bool = False, use_ue8m0: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., K) fp8 codes and (..., K // group_size) float32 scales, one per group along K."""
-    return _per_token_group_quant_fp8(x, group_size, eps, column_major_scales, use_ue8m0)
-
-
-@per_token_group_quant_fp8.register_fake
-def _(x, group_size, eps=1e-10, column_major_scales=False, use_ue8m0=False):
-    _check_quant_input(x)
-    if group_size < 1 or x.shape[-1] % group_size:
-        raise ValueError(f"group_size must be a positive int dividing K={x.shape[-1]}, got {group_size}")
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    return q, alloc_group_scales(x.shape, group_size, column_major_scales, x.device)
-
-
-@torch.library.custom_op("tmoe::per_token_quant_fp8", mutates_args=())
-def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., K) fp8 codes and (..., 1) float32 per-token scales."""
-    return _per_token_quant_fp8(x, eps)
-
-
-@per_token_quant_fp8.register_fake
-def _(x, eps=1e-10):
-    _check_quant_input(x)
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    return q, torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-
-
-@torch.library.custom_op("tmoe::static_quant_fp8", mutates_args=())
-def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """(..., K) fp8 codes of x / scale, ``scale`` one float32 element."""
-    return _static_quant_fp8(x, scale)
-
-
-@static_quant_fp8.register_fake
-def _(x, scale):
-    _check_quant_input(x)
-    check_tensor("scale", scale, dtypes=(torch.float32,), device=x.device)
-    if scale.numel() != 1:
-        raise ValueError(f"scale must hold one element (a per-tensor scale), got shape {tuple(scale.shape)}")
-    return torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-
-
-for _op in (moe_gemm_up, moe_gemm_down, moe_reduce, per_token_group_quant_fp8, per_token_quant_fp8,
-            static_quant_fp8):
+for _op in (moe_gemm_up, moe_gemm_down, moe_reduce):
     inference_only(_op)
 register_router_autograd(topk_route)
