@@ -105,6 +105,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generate adds (64; 4 with --tiny)")
     p.add_argument("--skip", choices=["train", "generate"], default=None)
     p.add_argument("--out", type=Path, default=Path("bench/results/bench_hf.csv"))
+    p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
     defaults = (16, 2, 4) if args.tiny else (4096, 4, 64)
     args.tokens, args.batch, args.new_tokens = (given if given is not None else default for given, default in
@@ -112,25 +113,26 @@ def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     head = [datetime.datetime.now().isoformat(timespec="seconds"), gpu, torch.__version__, triton.__version__,
-            transformers.__version__, git_commit()]
-    rows = []
+            transformers.__version__, args.commit or git_commit()]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(row: list) -> None:  # each row as it is measured: a run cut short keeps what it measured
+        new = not args.out.exists()
+        with args.out.open("a", newline="") as f:
+            w = csv.writer(f)
+            if new:
+                w.writerow(FIELDS)
+            w.writerow(head + row)
+        print(*row, flush=True)
+
     if args.skip != "train":
         for name, sizes in (("qwen3_30b_a3b", QWEN3_30B), ("gpt_oss_20b", GPT_OSS_20B)):
             for impl in ("tmoe", "grouped_mm", "eager"):
                 ms, peak = train_layer(sizes, impl, args.tokens, args.batch, args.tiny, device)
-                rows.append(["train_layer", name, impl, args.batch, args.tokens, f"{ms:.2f}", f"{peak:.2f}"])
-                print(*rows[-1], flush=True)
+                record(["train_layer", name, impl, args.batch, args.tokens, f"{ms:.2f}", f"{peak:.2f}"])
     if args.skip != "generate":
         for batch in (1, 32):
             for impl in ("tmoe", "grouped_mm"):
                 ms = generate_ms(impl, batch, args.new_tokens, args.tiny, device)
-                rows.append(["generate_ms_per_token", "qwen3_30b_a3b_2layer", impl, batch, args.new_tokens, f"{ms:.3f}", ""])
-                print(*rows[-1], flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    new = not args.out.exists()
-    with args.out.open("a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(FIELDS)
-        w.writerows(head + r for r in rows)
+                record(["generate_ms_per_token", "qwen3_30b_a3b_2layer", impl, batch, args.new_tokens, f"{ms:.3f}", ""])
     return 0
