@@ -96,6 +96,19 @@ def route(request):
     yield from _forced_route(request.param)
 
 
+@pytest.fixture(params=["sorted", "direct", "slots"])
+def fp8_route(request):
+    """``route`` for fp8 activations, which never take the fused path (tests/layer/test_fused_experts.py
+    asserts it): forced "fused", they run the aligned path again, so it is left out."""
+    yield from _forced_route(request.param)
+
+
+@pytest.fixture(params=["sorted", "direct"])
+def fp8_matrix_route(request):
+    """``matrix_route`` for fp8 activations (no fused path, see ``fp8_route``)."""
+    yield from _forced_route(request.param)
+
+
 @pytest.fixture(params=["sorted", "direct", "fused"])
 def matrix_route(request):
     """The aligned path and the two decode paths that reduce in the experts (the down GEMM summing

@@ -10,7 +10,7 @@ from tmoe.kernels.gemm_args import uniform_w_scale, weight_descriptor
 from tmoe.kernels.operands import Scales
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
-from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem
+from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem, route_shape
 from tests.layer.test_fp8_layer import SCHEMES, run_scheme
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,7 +28,7 @@ def tma_config(bm: int, up_bn: int, down_bn: int, bk: int) -> MoEConfig:
     (MoEShape(7, 4, 64, 50, 2), (16, 32, 32, 32)),  # K=50: w1 rows not 16-byte aligned, pointer fallback
 ], ids=str)
 def test_tma_layer_matches_reference(shape, tiles, dtype, matrix_route):
-    p = make_problem(shape, dtype, "skewed", seed=shape.m, device=DEVICE)
+    p = make_problem(route_shape(shape, matrix_route), dtype, "skewed", seed=shape.m, device=DEVICE)
     with override_config(tma_config(*tiles)):
         out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
     assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), dtype)
@@ -51,10 +51,11 @@ def test_tma_biases_and_remote_experts(fmt):
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 @pytest.mark.parametrize("tiles", [(16, 64, 128, 128), (16, 128, 256, 64)], ids=str)
-def test_tma_fp8_layer(scheme, tiles, matrix_route):
+def test_tma_fp8_layer(scheme, tiles, fp8_matrix_route):
     """Block scales: block_n 64/128 up tiles take one weight scale per tile (uniform), the
     256-wide down tile a scale per row group; per-tensor and per-channel scales at the end."""
-    p = make_problem(MoEShape(19, 4, 256, 256, 2), torch.bfloat16, "uniform", seed=19, device=DEVICE)
+    p = make_problem(route_shape(MoEShape(19, 4, 256, 256, 2), fp8_matrix_route), torch.bfloat16, "uniform", seed=19,
+                     device=DEVICE)
     with override_config(tma_config(*tiles)):
         out, ref = run_scheme(p, scheme)
     assert_close(out, ref, "fp8")

@@ -12,7 +12,7 @@ import torch
 import tmoe
 from tmoe.reference import act_and_mul_reference, dequantize_fp8_reference, moe_reference
 from tmoe.testing import assert_close, rel_error
-from tmoe.testing.strategies import MoEShape, make_problem
+from tmoe.testing.strategies import MoEShape, make_problem, route_shape
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -68,16 +68,16 @@ def run_scheme(p, scheme: Scheme, kernel: tmoe.FusedMoEModularKernel | None = No
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
 @pytest.mark.parametrize("shape", [MoEShape(1, 4, 128, 256, 2), MoEShape(37, 8, 256, 128, 2),
                                    MoEShape(0, 4, 128, 128, 2), MoEShape(20, 4, 128, 384, 1)], ids=str)
-def test_fp8_layer(scheme, shape, route):
-    p = make_problem(shape, torch.bfloat16, "out_of_range" if shape.m > 30 else "uniform", seed=shape.m,
-                     device=DEVICE)
+def test_fp8_layer(scheme, shape, fp8_route):
+    p = make_problem(route_shape(shape, fp8_route), torch.bfloat16, "out_of_range" if shape.m > 30 else "uniform",
+                     seed=shape.m, device=DEVICE)
     out, ref = run_scheme(p, scheme)
     assert out.dtype == torch.bfloat16
     assert_close(out, ref, "fp8")
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
-def test_fp8_zero_rows_and_tiny_inputs_stay_finite(scheme, route):
+def test_fp8_zero_rows_and_tiny_inputs_stay_finite(scheme, fp8_route):
     p = make_problem(MoEShape(9, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=4, device=DEVICE)
     p.x[0] = 0.0
     p.x[1] = 1e-23
@@ -88,7 +88,7 @@ def test_fp8_zero_rows_and_tiny_inputs_stay_finite(scheme, route):
 
 
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if not s.static], ids=lambda s: s.name)
-def test_fp8_nan_stays_in_its_token(scheme, route):
+def test_fp8_nan_stays_in_its_token(scheme, fp8_route):
     """A NaN in one token's input reaches exactly that token's output (dynamic scales)."""
     p = make_problem(MoEShape(24, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=6, device=DEVICE)
     p.x[5, 3] = float("nan")

@@ -11,7 +11,7 @@ import tmoe
 from tmoe.reference import moe_reference
 from tmoe.modular import Route
 from tmoe.testing import assert_close
-from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem, problems
+from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem, problems, route_shape
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -54,7 +54,7 @@ def run_and_check(p, dtype, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_fused_experts_cases(case, dtype, matrix_route):
-    p = make_problem(case.shape, dtype, case.routing, seed=zlib.crc32(str(case).encode()) % 1000, device=DEVICE)
+    p = make_problem(route_shape(case.shape, matrix_route), dtype, case.routing, seed=zlib.crc32(str(case).encode()) % 1000, device=DEVICE)
     run_and_check(p, dtype, activation=case.activation)
 
 

@@ -37,14 +37,20 @@ def _layer(p, quant: str):
             moe_reference(p.x, w1d, w2d, p.topk_weights, p.topk_ids))
 
 
-@pytest.mark.parametrize("quant", ["none", "token", "block"])
+# every route of each scheme; fp8 activations have no fused path (forced, they take the sorted one)
+ROUTES = [(quant, route) for quant in ("none", "token", "block")
+          for route in ("sorted", "direct", "slots", "fused") if quant == "none" or route != "fused"]
+
+
+@pytest.mark.parametrize("quant, route", ROUTES, ids=lambda v: str(v))
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_switch_keeps_results(shape, quant, route):
     p = make_problem(shape, torch.bfloat16, "uniform", seed=shape.m, device=DEVICE)
     call, ref = _layer(p, quant)
-    off = call()
-    with tmoe.override_pdl(True):
-        on = call()
+    with tmoe.override_route(route):
+        off = call()
+        with tmoe.override_pdl(True):
+            on = call()
     assert_close(on, ref, FP8 if quant != "none" else torch.bfloat16)
     torch.testing.assert_close(on, off, rtol=0, atol=0)
 

@@ -3,7 +3,7 @@ recompile per example), dtypes, and routings (uniform, skewed, one-hot, empty ex
 out-of-range ids). Needs ``hypothesis``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from hypothesis import strategies as st
@@ -18,6 +18,18 @@ class MoEShape:
     n: int
     k: int
     topk: int
+
+
+DECODE_MAX_M = 8
+"""The largest M the route matrices run a decode route at (see ``route_shape``)."""
+
+
+def route_shape(shape: MoEShape, route: str) -> MoEShape:
+    """``shape`` as a test runs it under a forced ``route``: the decode routes (direct, slots, fused:
+    one program per slot, the default only at a few tokens) run its E, N, K and topk at M <= 8 (the
+    interpreter's time grows with the slots, and more of them exercise nothing more of a per-slot
+    program); the aligned route ("sorted") runs M as given (several row blocks per expert)."""
+    return shape if route == "sorted" or shape.m <= DECODE_MAX_M else replace(shape, m=DECODE_MAX_M)
 
 
 @dataclass(frozen=True)
