@@ -6,6 +6,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch._inductor.config
+
+    # CPU CI (2 cores, one pytest-xdist worker each): Inductor compiles in-process, as a pool of
+    # compile workers per test worker costs more to start than it saves on tmoe's small graphs
+    torch._inductor.config.compile_threads = 1
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
