@@ -140,8 +140,9 @@ class TmoeExperts(nn.Module):
     def __init__(self, experts: nn.Module, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         spec = SUPPORTED_EXPERTS[type(experts).__name__]
-        layout = replace(_gating(experts, spec), transposed=spec.transposed, bias=spec.bias,
-                         interleaved=spec.interleaved and not spec.mxfp4)  # packed mxfp4 rows are de-interleaved once
+        layout = _gating(experts, spec)
+        layout = replace(layout, transposed=spec.transposed, bias=spec.bias,  # packed mxfp4 rows are de-interleaved once
+                         activation=replace(layout.activation, interleaved=spec.interleaved and not spec.mxfp4))
         options = layout.options()
         self.activation = options.pop("activation")
         self.act_options = options

@@ -20,6 +20,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.integrations import moe as hf_moe
 
+from tmoe.kernels.activation import Activation
+
 # Hugging Face activation names whose module computes one of tmoe's gate activations.
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu",
                    "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -46,22 +48,18 @@ GATES: dict[str, str | tuple[str, str]] = {
 
 @dataclass(frozen=True)
 class ExpertsLayout:
-    """One experts module's call into tmoe: its activation (and swigluoai's alpha / the clamp
-    limit), and how its weights are stored: ``transposed`` (E, in, out), gate/up rows
-    ``interleaved``, ``gated`` (``gate_up_proj``; else ``up_proj``), with ``bias``."""
+    """One experts module's call into tmoe: its ``activation`` (tmoe's value: swigluoai's alpha,
+    the clamp limit, gate/up rows interleaved; gated ones read ``gate_up_proj``, *_no_mul ones
+    ``up_proj``), and how its weights are stored: ``transposed`` (E, in, out), with ``bias``."""
 
-    activation: str
-    swiglu_alpha: float | None = None
-    swiglu_limit: float | None = None
-    interleaved: bool = False
+    activation: Activation
     transposed: bool = False
-    gated: bool = True
     bias: bool = False
 
     def weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                    torch.Tensor | None]:
         """(w1, w2, w1_bias, w2_bias) in tmoe's layout: the stored tensors, transposed ones as views."""
-        up = "gate_up_proj" if self.gated else "up_proj"
+        up = "gate_up_proj" if self.activation.gated else "up_proj"
         w1, w2 = getattr(experts, up), experts.down_proj
         if self.transposed:
             w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
@@ -71,8 +69,7 @@ class ExpertsLayout:
 
     def options(self) -> dict[str, object]:
         """The activation keyword arguments of ``tmoe.fused_experts``."""
-        return dict(activation=self.activation, swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit,
-                    gate_up_interleaved=self.interleaved)
+        return self.activation.layer_kwargs()
 
 
 def finite_number(v: object) -> bool:
@@ -100,14 +97,14 @@ def gating(experts: nn.Module, gate: str | tuple[str, str], act_fn: object) -> E
         alpha, limit = (getattr(experts, name, None) for name in gate)
         if not (finite_number(alpha) and finite_number(limit)) or limit <= 0:
             return f"swigluoai needs a finite alpha and a positive finite limit, got ({alpha}, {limit})"
-        return ExpertsLayout("swigluoai", float(alpha), float(limit))
+        return ExpertsLayout(Activation("swigluoai", float(alpha), float(limit)))
     activation = tmoe_activation(act_fn)
     if activation is None:
         return f"activation {type(act_fn).__name__} is not one of tmoe's"
     limit = gate_limit(experts) if gate == "clamped" else None
     if limit is not None and (activation != "silu" or limit <= 0):
         return f"clamps the activated gate (limit={limit}) of a {activation} gate; tmoe clamps silu by a positive limit"
-    return ExpertsLayout(activation, swiglu_limit=limit)
+    return ExpertsLayout(Activation(activation, limit=limit))
 
 
 def is_registry_class(cls: type) -> bool:
@@ -137,7 +134,7 @@ def no_mul_layout(act_fn: object) -> ExpertsLayout | str:
     string says why tmoe cannot run it."""
     activation = "relu2_no_mul" if _RELU2 is not None and isinstance(act_fn, _RELU2) else _NO_MUL.get(
         tmoe_activation(act_fn))
-    return ExpertsLayout(activation) if activation else f"activation {type(act_fn).__name__} is not one of tmoe's"
+    return ExpertsLayout(Activation(activation)) if activation else f"activation {type(act_fn).__name__} is not one of tmoe's"
 
 
 def layout_of(experts: nn.Module) -> ExpertsLayout | str:
@@ -159,5 +156,5 @@ def layout_of(experts: nn.Module) -> ExpertsLayout | str:
         layout = no_mul_layout(getattr(experts, "act_fn", None))
     if isinstance(layout, str):
         return layout
-    return replace(layout, interleaved=gated and not experts.is_concatenated, transposed=transposed, gated=gated,
-                   bias=experts.has_bias)
+    return replace(layout, activation=replace(layout.activation, interleaved=gated and not experts.is_concatenated),
+                   transposed=transposed, bias=experts.has_bias)

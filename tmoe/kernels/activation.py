@@ -41,6 +41,11 @@ class Activation:
         """N from W1's row count (``w1.shape[1]``)."""
         return w1_rows // self.rows_per_n
 
+    def layer_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``tmoe.fused_experts`` this value stands for (``LayerArgs``'s names)."""
+        return dict(activation=self.name, swiglu_alpha=self.alpha, swiglu_limit=self.limit,
+                    gate_up_interleaved=self.interleaved)
+
     def floats(self) -> tuple[float, float, bool]:
         """(alpha, limit, clamp) as the kernels take them: the runtime floats (swigluoai's defaults
         for None) and whether the epilogue clamps (swigluoai always; silu with a limit)."""
