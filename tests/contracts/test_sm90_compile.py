@@ -36,9 +36,12 @@ SCRIPT = textwrap.dedent("""
     swapped = []  # (QUANT, ptx) of the swap_ab GEMMs
 
     cubins = {}  # the first cubin of each kernel
+    over = set()  # kernels whose shared memory exceeds Hopper's 227 KB per block (launch would fail)
 
     def record(name, kwargs, kernel):
         compiled.append((name, kernel.asm["ptx"], kernel.metadata.launch_pdl))
+        if kernel.metadata.shared > 232448:
+            over.add(f"{name}:{kernel.metadata.shared}")
         cubins.setdefault(name, kernel.asm["cubin"])
         if kwargs.get("SWAP_AB"):
             swapped.append((kwargs["QUANT"], kernel.asm["ptx"]))
@@ -88,8 +91,13 @@ SCRIPT = textwrap.dedent("""
     b1, b2 = torch.zeros(4, 256, requires_grad=True), torch.zeros(4, 256, requires_grad=True)
     tmoe.fused_experts(*train[:3], train[3], p.topk_ids, activation="swigluoai", gate_up_interleaved=True,
                        w1_bias=b1, w2_bias=b2).sum().backward()
-    # frozen block-fp8 experts: the backward dequantizes w1/w2 in its kernels
+    # frozen block-fp8 experts: the backward dequantizes w1/w2 in its kernels (bf16 x, the align
+    # blocks of few experts, 128 rows, and of many, 64)
     tmoe.fused_experts(train[0], p.w1.to(FP8), p.w2.to(FP8), train[3], p.topk_ids, **fp8).sum().backward()
+    many = make_problem(MoEShape(9, 32, 128, 256, 2), torch.bfloat16, "uniform", seed=0)
+    tmoe.fused_experts(many.x.requires_grad_(), many.w1.to(FP8), many.w2.to(FP8), many.topk_weights.requires_grad_(),
+                       many.topk_ids, quant_config=fp8["quant_config"], w1_scale=torch.ones(32, 2, 2),
+                       w2_scale=torch.ones(32, 2, 1)).sum().backward()
     tmoe.topk_route(torch.randn(9, 16, requires_grad=True), 2)[0].sum().backward()
     tmoe.per_token_quant_fp8(p.x)
     tmoe.static_quant_fp8(p.x, torch.ones(1))
@@ -178,6 +186,7 @@ SCRIPT = textwrap.dedent("""
     # the wait before the first global memory access (load, store, async copy)
     print(" ".join(sorted({name for name, ptx, launch_pdl in compiled
                            if launch_pdl and first(ptx, MEMORY) < first(ptx, "griddepcontrol.wait")})) or "-")
+    print(" ".join(sorted(over)) or "-")
 """)
 
 
@@ -188,8 +197,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    regs, names, counts, swap, unpacked, pdl_names, mismatched, not_late, not_first = \
-        proc.stdout.strip().splitlines()[-9:]
+    regs, names, counts, swap, unpacked, pdl_names, mismatched, not_late, not_first, over = \
+        proc.stdout.strip().splitlines()[-10:]
     assert int(regs.removeprefix("REG:")) > 0, f"tmoe.testing.sm90.sass: {regs}"
     assert names.split() == sorted(KERNELS)
     tma_loads, wgmma = map(int, counts.split())
@@ -203,3 +212,4 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert mismatched == "-", f"launched with PDL but no griddepcontrol (or the reverse): {mismatched}"
     assert not_late == "-", f"these trigger their dependents before their wait or inside the K loop: {not_late}"
     assert not_first == "-", f"these touch global memory before their wait: {not_first}"
+    assert over == "-", f"these need more shared memory than an sm_90 block has (227 KB): {over}"

@@ -195,7 +195,7 @@ def test_backward_workspaces_are_released_before_the_weight_gradients():
     """The peak of the backward holds the gradients, grad_h and the align metadata only: the
     recomputed intermediate and the router partials are released before the dW1 GEMM runs (each
     workspace goes once its last reader ran)."""
-    p = make_problem(MoEShape(8, 4, 256, 512, 2), torch.float32, "uniform", seed=3)
+    p = make_problem(MoEShape(8, 4, 256, 512, 2), torch.float32, "uniform", seed=3, device=DEVICE)
     params = [t.clone().requires_grad_() for t in (p.x, p.w1, p.w2, p.topk_weights)]
     out = tmoe.fused_experts(*params, p.topk_ids)
     grad_out = torch.randn_like(out)

@@ -37,6 +37,12 @@ class ActTiles:
     num_stages: int = 3
 
 
+# Two pipeline stages where a stage's tiles are large: float32 operands (twice bf16's bytes), and
+# frozen fp8 weights, whose K steps also stage one gathered float32 block scale per weight element
+# (five bytes a weight: at three or four stages, 240-295 KB on sm_90, over its 227 KB a block;
+# at two, 100-172 KB; tests/contracts/test_sm90_compile.py checks every kernel's figure).
+
+
 def grad_block_m(num_experts: int) -> int:
     """The backward's align block (rows of one expert per program), from the expert count alone:
     128 for a few large experts (Mixtral's 8: the dX GEMM 1.4x faster), else 64 (H100 tile sweep,
@@ -293,5 +299,5 @@ def moe_grad_act(
            MUL=activation.gated, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
-           num_stages=min(tiles.num_stages, 2) if fp32 else tiles.num_stages)  # fp32 tiles: twice the bytes
+           num_stages=min(tiles.num_stages, 2) if fp32 or weight_scales else tiles.num_stages)  # two stages: see above
     return grad_h, inter, partial
