@@ -176,7 +176,8 @@ _USER_KERNELS = textwrap.dedent("""
         return a.float() @ b.float(), c, y
 
     def interpreter_functions():
-        return (interp._convert_float, interp.InterpreterBuilder.create_dot, interp.InterpreterBuilder.create_icmpSGE)
+        return (interp._convert_float, interp.InterpreterBuilder.create_dot, interp.InterpreterBuilder.create_icmpSGE,
+                interp._patch_lang)
 """)
 
 
@@ -196,6 +197,23 @@ def test_user_kernels_see_the_bare_interpreter_after_tmoe_calls():
         assert torch.equal(dot_after.view(torch.int32), dot.view(torch.int32))
         assert torch.equal(cast_after.view(torch.int16), cast.view(torch.int16))
     """))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's language patching")
+def test_launch_patches_the_language_once_per_kernel(monkeypatch):
+    """Inside a tmoe launch the jit helpers reuse their kernel's patching of triton.language: one
+    walk of its modules per kernel launch, where the bare interpreter walks them at every helper call."""
+    from triton.runtime import interpreter as interp
+
+    walks, launches = [], []
+    patch_builtin, run = interp._patch_builtin, interp.GridExecutor.__call__
+    monkeypatch.setattr(interp, "_patch_builtin", lambda *a: walks.append(1) or patch_builtin(*a))
+    monkeypatch.setattr(interp.GridExecutor, "__call__", lambda self, *a, **k: launches.append(1) or run(self, *a, **k))
+    p = make_problem(MoEShape(9, 4, 64, 64, 2), torch.float32, "uniform", seed=0)
+    out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)  # kernels calling helpers per program
+    assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), torch.float32)
+    per_launch = len(walks) / len(launches)
+    assert per_launch <= 6, f"{len(walks)} walks of triton.language in {len(launches)} launches"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

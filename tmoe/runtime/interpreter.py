@@ -23,6 +23,9 @@ the unpatched interpreter still shows each fault, so a fixed one is noticed and 
   A jit function called inside a tmoe launch runs interpreted. tmoe's own kernels are defined
   interpreted on a machine without a GPU (``interpreted_definitions``) whatever the environment
   says, without setting ``TRITON_INTERPRET`` for anybody else.
+* Speed, not numerics: at every call of a jit helper the interpreter patches ``triton.language``
+  again (``inspect.getmembers`` of three modules), about a fifth of an interpreted layer call; a
+  helper whose modules the launch has already patched skips it.
 * The interpreter is not thread-safe (it patches ``triton.language`` for each launch): tmoe's
   interpreted launches take one process-wide lock, so threaded callers get right answers.
 
@@ -65,6 +68,8 @@ _CMP_OPS = [f"create_icmp{op}" for op in ("SLE", "SLT", "SGE", "SGT", "ULE", "UL
 
 
 def _build_patches() -> list[tuple[object, str, object]]:
+    import inspect
+
     import numpy as np
     import torch
     import triton.language as tl
@@ -116,9 +121,19 @@ def _build_patches() -> list[tuple[object, str, object]]:
             twin = interpreted[self.fn] = interp.InterpretedFunction(self.fn)
         return twin(*args, **kwargs)
 
+    original_patch_lang = interp._patch_lang
+
+    def patch_lang(fn):
+        """``triton.language`` patched for ``fn``; a no-op when its modules already are (a helper
+        called inside a launch whose kernel patched them: the interpreter re-patches at every call)."""
+        langs = [value for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)]
+        if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):
+            return interp._LangPatchScope()
+        return original_patch_lang(fn)
+
     builder = interp.InterpreterBuilder
     return [(interp, "_convert_float", convert_float), (builder, "create_dot", create_dot),
-            (triton.runtime.jit.JITFunction, "__call__", call_jit_function)] + [
+            (triton.runtime.jit.JITFunction, "__call__", call_jit_function), (interp, "_patch_lang", patch_lang)] + [
         (builder, name, boolean(getattr(builder, name))) for name in _CMP_OPS
     ]
 
