@@ -216,6 +216,29 @@ def test_launch_patches_the_language_once_per_kernel(monkeypatch):
     assert per_launch <= 6, f"{len(walks)} walks of triton.language in {len(launches)} launches"
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's reductions")
+def test_sort_reduces_its_xors_with_numpy(monkeypatch):
+    """The align's sorting program (``tl.sort``: xor reductions in every compare-and-swap) runs no
+    reduction element by element, and sorts exactly as the three-launch path does."""
+    from triton.runtime import interpreter as interp
+
+    from tmoe.kernels import align
+    from tmoe.runtime.state import clear_launch_caches
+
+    slow, generic = [], interp.ReduceOps.generic_reduce
+    monkeypatch.setattr(interp.ReduceOps, "generic_reduce", lambda self, x: slow.append(1) or generic(self, x))
+    ids = torch.randint(0, 16, (300, 4), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    outs = []
+    for sort_max in (0, 4096):
+        monkeypatch.setattr(align, "SORT_MAX_SLOTS", sort_max)
+        clear_launch_caches()
+        outs.append(tmoe.moe_align_block_size(ids, 16, 16))
+    clear_launch_caches()
+    assert not slow, f"{len(slow)} reductions ran element by element"
+    for chunks, sort in zip(*outs):
+        assert torch.equal(chunks, sort)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nan_row_stays_in_its_row(dtype, route):
     """A NaN in one token's input makes that token's output NaN and no other (as on a GPU)."""

@@ -25,7 +25,8 @@ the unpatched interpreter still shows each fault, so a fixed one is noticed and 
   says, without setting ``TRITON_INTERPRET`` for anybody else.
 * Speed, not numerics: at every call of a jit helper the interpreter patches ``triton.language``
   again (``inspect.getmembers`` of three modules), about a fifth of an interpreted layer call; a
-  helper whose modules the launch has already patched skips it.
+  helper whose modules the launch has already patched skips it. ``tl.xor_sum`` (inside
+  ``tl.sort``) is reduced by numpy instead of one element at a time in Python.
 * The interpreter is not thread-safe (it patches ``triton.language`` for each launch): tmoe's
   interpreted launches take one process-wide lock, so threaded callers get right answers.
 
@@ -131,9 +132,20 @@ def _build_patches() -> list[tuple[object, str, object]]:
             return interp._LangPatchScope()
         return original_patch_lang(fn)
 
+    original_reduce = interp.ReduceOps.apply_impl
+
+    def reduce(self, input):
+        """``tl.xor_sum`` (``tl.sort``'s compare-and-swap) with numpy's xor reduction; the interpreter
+        runs a reduction whose combine function it does not know one element at a time in Python."""
+        if self.combine_fn == tl.standard._xor_combine and len(input) == 1:
+            data = np.bitwise_xor.reduce(input[0].handle.data, axis=self.axis, keepdims=self.keep_dims)
+            return self.to_tensor(data, input[0].dtype)
+        return original_reduce(self, input)
+
     builder = interp.InterpreterBuilder
     return [(interp, "_convert_float", convert_float), (builder, "create_dot", create_dot),
-            (triton.runtime.jit.JITFunction, "__call__", call_jit_function), (interp, "_patch_lang", patch_lang)] + [
+            (triton.runtime.jit.JITFunction, "__call__", call_jit_function), (interp, "_patch_lang", patch_lang),
+            (interp.ReduceOps, "apply_impl", reduce)] + [
         (builder, name, boolean(getattr(builder, name))) for name in _CMP_OPS
     ]
 
