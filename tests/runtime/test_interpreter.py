@@ -216,6 +216,24 @@ def test_launch_patches_the_language_once_per_kernel(monkeypatch):
     assert per_launch <= 6, f"{len(walks)} walks of triton.language in {len(launches)} launches"
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's dtype table")
+def test_remembered_numpy_dtypes_are_the_interpreters():
+    """Inside a launch the numpy dtype of each Triton type (scalar, block, pointer) is the one the
+    interpreter's own table gives."""
+    from triton.runtime import interpreter as interp
+
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.float16,
+               tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    types = scalars + [tl.block_type(t, [4, 2]) for t in scalars] + [tl.pointer_type(tl.float32),
+                                                                      tl.block_type(tl.pointer_type(tl.bfloat16), [8])]
+    original = interp._get_np_dtype
+    want = [original(t) for t in types]
+    with interpreter_fixes():
+        assert interp._get_np_dtype is not original  # the remembering twin is in place
+        got = [interp._get_np_dtype(t) for t in types] + [interp._get_np_dtype(t) for t in types]
+    assert got == want + want
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's reductions")
 def test_sort_reduces_its_xors_with_numpy(monkeypatch):
     """The align's sorting program (``tl.sort``: xor reductions in every compare-and-swap) runs no

@@ -26,7 +26,8 @@ the unpatched interpreter still shows each fault, so a fixed one is noticed and 
 * Speed, not numerics: at every call of a jit helper the interpreter patches ``triton.language``
   again (``inspect.getmembers`` of three modules), about a fifth of an interpreted layer call; a
   helper whose modules the launch has already patched skips it. ``tl.xor_sum`` (inside
-  ``tl.sort``) is reduced by numpy instead of one element at a time in Python.
+  ``tl.sort``) is reduced by numpy instead of one element at a time in Python, and the numpy
+  dtype of a Triton type is remembered instead of rebuilt at every call.
 * The interpreter is not thread-safe (it patches ``triton.language`` for each launch): tmoe's
   interpreted launches take one process-wide lock, so threaded callers get right answers.
 
@@ -124,10 +125,14 @@ def _build_patches() -> list[tuple[object, str, object]]:
 
     original_patch_lang = interp._patch_lang
 
+    langs_of: dict[object, list] = {}  # a jit function -> the triton.language modules its globals hold
+
     def patch_lang(fn):
         """``triton.language`` patched for ``fn``; a no-op when its modules already are (a helper
         called inside a launch whose kernel patched them: the interpreter re-patches at every call)."""
-        langs = [value for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)]
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
         if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):
             return interp._LangPatchScope()
         return original_patch_lang(fn)
@@ -142,10 +147,24 @@ def _build_patches() -> list[tuple[object, str, object]]:
             return self.to_tensor(data, input[0].dtype)
         return original_reduce(self, input)
 
+    original_np_dtype = interp._get_np_dtype
+    np_dtypes: dict[object, object] = {}
+
+    def np_dtype(tt_dtype):
+        """The interpreter's numpy dtype of a Triton type, its own answer remembered per scalar type
+        (it builds an 18-entry table at every call)."""
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return original_np_dtype(scalar)
+        found = np_dtypes.get(scalar)
+        if found is None:
+            found = np_dtypes[scalar] = original_np_dtype(scalar)
+        return found
+
     builder = interp.InterpreterBuilder
     return [(interp, "_convert_float", convert_float), (builder, "create_dot", create_dot),
             (triton.runtime.jit.JITFunction, "__call__", call_jit_function), (interp, "_patch_lang", patch_lang),
-            (interp.ReduceOps, "apply_impl", reduce)] + [
+            (interp.ReduceOps, "apply_impl", reduce), (interp, "_get_np_dtype", np_dtype)] + [
         (builder, name, boolean(getattr(builder, name))) for name in _CMP_OPS
     ]
 
