@@ -1,10 +1,11 @@
 """Where does a tmoe training step's time go? Times the layer's forward and each backward op
 (``torch.ops.tmoe.moe_grad_*``, called as the layer's backward calls them) at the Qwen3-30B-A3B,
-Mixtral-8x7B and DeepSeek-V3 layer shapes (bf16, random top-k routing), and prints each op's
+Mixtral-8x7B, DeepSeek-V3 and GPT-OSS-20B layer shapes (bf16, random top-k routing; ``--transposed``:
+the weights as transposed views, as transformers stores GPT-OSS's), and prints each op's
 milliseconds, its FLOPs (the registered FLOP formulas, counted by ``FlopCounterMode``), its
 TFLOP/s and that rate over the measured bf16 matmul rate; then the sum beside one whole
 forward+backward step and ``torch._grouped_mm``'s step. GPU only:
-``python bench/repro_train_breakdown.py [--ms 4096] [--shapes qwen3 mixtral deepseek]``."""
+``python bench/repro_train_breakdown.py [--ms 4096] [--shapes qwen3 mixtral deepseek gpt_oss] [--transposed]``."""
 from __future__ import annotations
 
 import argparse
@@ -31,10 +32,12 @@ def _flops(fn: Callable[[], object]) -> int:
     return counter.get_total_flops()
 
 
-def run_shape(name: str, m: int, rate: float) -> None:
+def run_shape(name: str, m: int, rate: float, transposed: bool) -> None:
     s = SHAPES[name]
     dev, dt = torch.device("cuda"), torch.bfloat16
     w1, w2 = make_weights(s.e, s.n, s.k, dev)
+    if transposed:  # stored (E, K, 2N) and (E, N, K), read through strides
+        w1, w2 = w1.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2)
     x = torch.randn(m, s.k, device=dev, dtype=dt)
     tw, ids = torch.topk(torch.randn(m, s.e, device=dev).softmax(-1), s.topk)
     ids = ids.to(torch.int32).contiguous()
@@ -56,7 +59,8 @@ def run_shape(name: str, m: int, rate: float) -> None:
         "moe_grad_weight dW2": lambda: ops.moe_grad_weight(
             go, inter, tw, sorted_ids, offsets, s.e, True, False, False, False, None),
     }
-    print(f"{name} M={m} (E={s.e} N={s.n} K={s.k} topk={s.topk}, align block {block_m})", flush=True)
+    print(f"{name} M={m} (E={s.e} N={s.n} K={s.k} topk={s.topk}, align block {block_m}"
+          f"{', transposed weights' if transposed else ''})", flush=True)
     total = 0.0
     for label, fn in parts.items():
         with torch.no_grad():
@@ -76,12 +80,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--ms", type=int, nargs="+", default=[4096])
+    parser.add_argument("--transposed", action="store_true", help="weights as transposed views (transformers' GPT-OSS)")
     args = parser.parse_args()
     rate = measure_ceilings(False, trials=3).bf16_flops
     print(f"bf16 matmul rate (best of 3 trials): {rate / 1e12:.0f} TFLOP/s", flush=True)
     for m in args.ms:
         for name in args.shapes:
-            run_shape(name, m, rate)
+            run_shape(name, m, rate, args.transposed)
             torch.cuda.empty_cache()
 
 

@@ -35,6 +35,7 @@ SHAPES = {
     "qwen3": Shape("qwen3", 128, 768, 2048, 8),
     "mixtral": Shape("mixtral", 8, 14336, 4096, 2),
     "deepseek": Shape("deepseek", 256, 2048, 7168, 8),
+    "gpt_oss": Shape("gpt_oss", 32, 2880, 2880, 4),  # GPT-OSS-20B's experts (without their biases)
 }
 TINY = Shape("tiny", 4, 32, 64, 2)
 PROVIDERS = ("tmoe", "grouped_mm", "liger")
