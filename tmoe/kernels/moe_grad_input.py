@@ -124,7 +124,7 @@ def moe_grad_input(
                PRECISION="ieee" if fp32 else "tf32", FP8_W=weight_scales is not None,
                SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
                SCALE_C=weight_scales.block_shape[1] if weight_scales else 1, num_warps=tiles.num_warps,
-               num_stages=min(tiles.num_stages, 2) if fp32 or weight_scales else tiles.num_stages)  # as moe_grad_act
+               num_stages=min(tiles.num_stages, 2) if fp32 or weight_scales else tiles.num_stages)  # ActTiles
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,
                topk_weights if apply_router_weight_on_input else None, expert_map, grad_x,
