@@ -68,6 +68,8 @@ def _backward_cases():
                                                      False, True, False, None)),
         "moe_grad_weight_w2": (ops.moe_grad_weight, (go, inter, p.topk_weights, sorted_ids, offsets, 4, True, False,
                                                      True, True, None)),
+        "moe_grad_weight_transposed": (ops.moe_grad_weight, (go, inter, p.topk_weights, sorted_ids, offsets, 4, True,
+                                                             False, True, True, None, True)),
         "topk_route_grad": (ops.topk_route_grad, (torch.randn(9, 2, device=DEVICE), logits, ids, "softmax", True,
                                                   1.0)),
     }

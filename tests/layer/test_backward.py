@@ -105,6 +105,45 @@ def test_remote_experts_get_zero_gradient():
     assert remote.any() and torch.all(grads["topk_weights"][remote] == 0)
 
 
+def test_weights_stored_transposed_get_gradients_in_their_layout():
+    """Weights kept transposed, (E, K, 2N) and (E, N, K) as transformers stores GPT-OSS's, and read
+    as views: dW is written in the stored layout, so the parameters take it with no transposing
+    copy, and it equals float64 autograd's (interleaved swigluoai with biases, as GPT-OSS)."""
+    case = Case("transposed", m=13, bias=True, activation="swigluoai",
+                options=dict(swiglu_alpha=1.3, swiglu_limit=0.8, gate_up_interleaved=True))
+    inputs = _inputs(case)
+    stored = {n: inputs[n].detach().transpose(1, 2).contiguous().requires_grad_() for n in ("w1", "w2")}
+    views = dict(inputs, w1=stored["w1"].transpose(1, 2), w2=stored["w2"].transpose(1, 2))
+    options = dict(activation=case.activation, **case.options)
+    grad_out = torch.randn(case.m, case.k, device=DEVICE)
+    grads = layer_grads(tmoe.fused_experts, views, grad_out, **options)
+    assert grads.keys() >= {"w1", "w2"}
+    for name in ("w1", "w2"):
+        assert grads[name].stride() == views[name].stride(), f"d{name} strides {grads[name].stride()}"
+    _check(grads, reference_grads(inputs, grad_out, **options), torch.float32, inputs)
+    copies = _Copies(stored["w1"].numel(), stored["w2"].numel())
+    out = tmoe.fused_experts(views["hidden_states"], views["w1"], views["w2"], views["topk_weights"], views["topk_ids"],
+                             w1_bias=views["w1_bias"], w2_bias=views["w2_bias"], **options)
+    with copies:
+        out.backward(grad_out)
+    assert copies.count == 0, "a weight gradient was copied into its parameter's layout"
+    for name in ("w1", "w2"):
+        assert torch.equal(stored[name].grad, grads[name].transpose(1, 2))
+
+
+class _Copies(TorchDispatchMode):
+    """Counts copies of a tensor as large as one of ``numels``."""
+
+    def __init__(self, *numels: int):
+        super().__init__()
+        self.numels, self.count = set(numels), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten.clone.default) and args[0].numel() in self.numels:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def test_no_tokens():
     inputs = _inputs(Case("m0", m=0))
     grads = layer_grads(tmoe.fused_experts, inputs, torch.empty(0, 40, device=DEVICE))

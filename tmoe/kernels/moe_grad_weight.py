@@ -108,7 +108,7 @@ def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
     expert_offsets: torch.Tensor, num_local_experts: int, *, tokens_left: bool, scale_tokens: bool,
     with_bias: bool, weighted_bias: bool = False, expert_map: torch.Tensor | None = None,
-    tiles: WeightTiles = WeightTiles(),
+    transposed: bool = False, tiles: WeightTiles = WeightTiles(),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dW (E_local, P_DIM, Q_DIM), db (E_local, P_DIM) or None) in ``left``'s dtype.
 
@@ -121,11 +121,17 @@ def moe_grad_weight(
         num_local_experts: E_local; expert_map: optional (E,) int32 global -> local id (-1 remote).
         with_bias: also return db[e] = the sum of left's rows of expert e (``weighted_bias``: each
             times its slot's router weight).
+        transposed: dW in the layout of a weight stored transposed, (E_local, Q_DIM, P_DIM) in memory
+            and returned as its (E_local, P_DIM, Q_DIM) view, so autograd hands it to the parameter
+            without a transposing copy.
     """
     p_dim, q_dim = left.shape[1], right.shape[1]
     num_experts = expert_offsets.shape[0] - 1
     make = torch.zeros if expert_map is not None else torch.empty  # a map may leave local experts unvisited
-    grad_w = make((num_local_experts, p_dim, q_dim), dtype=left.dtype, device=left.device)
+    if transposed:
+        grad_w = make((num_local_experts, q_dim, p_dim), dtype=left.dtype, device=left.device).transpose(1, 2)
+    else:
+        grad_w = make((num_local_experts, p_dim, q_dim), dtype=left.dtype, device=left.device)
     grad_b = make((num_local_experts, p_dim), dtype=left.dtype, device=left.device) if with_bias else None
     if num_local_experts == 0 or p_dim == 0 or q_dim == 0:
         return grad_w, grad_b

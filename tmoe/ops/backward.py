@@ -106,19 +106,22 @@ def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
 def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_token_ids: torch.Tensor,
     expert_offsets: torch.Tensor, num_local_experts: int, tokens_left: bool, scale_tokens: bool, with_bias: bool,
-    weighted_bias: bool, expert_map: torch.Tensor | None,
+    weighted_bias: bool, expert_map: torch.Tensor | None, transposed: bool = False,
 ) -> list[torch.Tensor]:
-    """[dW (E_local, P_DIM, Q_DIM)] or [dW, db (E_local, P_DIM)]: see ``tmoe.kernels.moe_grad_weight``."""
+    """[dW (E_local, P_DIM, Q_DIM)] or [dW, db (E_local, P_DIM)]: see ``tmoe.kernels.moe_grad_weight``
+    (``transposed``: dW strided as the transpose of a contiguous (E_local, Q_DIM, P_DIM))."""
     grad_w, grad_b = _grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
                                   tokens_left=tokens_left, scale_tokens=scale_tokens, with_bias=with_bias,
-                                  weighted_bias=weighted_bias, expert_map=expert_map)
+                                  weighted_bias=weighted_bias, expert_map=expert_map, transposed=transposed)
     return [grad_w] if grad_b is None else [grad_w, grad_b]
 
 
 @moe_grad_weight.register_fake
 def _(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts, tokens_left, scale_tokens,
-      with_bias, weighted_bias, expert_map):
-    grad_w = left.new_empty((num_local_experts, left.shape[1], right.shape[1]))
+      with_bias, weighted_bias, expert_map, transposed=False):
+    p_dim, q_dim = left.shape[1], right.shape[1]
+    grad_w = (left.new_empty((num_local_experts, q_dim, p_dim)).transpose(1, 2) if transposed
+              else left.new_empty((num_local_experts, p_dim, q_dim)))
     return [grad_w, left.new_empty((num_local_experts, left.shape[1]))] if with_bias else [grad_w]
 
 
