@@ -10,7 +10,7 @@ as they are).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -140,9 +140,8 @@ class TmoeExperts(nn.Module):
     def __init__(self, experts: nn.Module, expert_parallel: ExpertParallel | None = None) -> None:
         super().__init__()
         spec = SUPPORTED_EXPERTS[type(experts).__name__]
-        layout = _gating(experts, spec)
-        layout = replace(layout, transposed=spec.transposed, bias=spec.bias,  # packed mxfp4 rows are de-interleaved once
-                         activation=replace(layout.activation, interleaved=spec.interleaved and not spec.mxfp4))
+        layout = _gating(experts, spec).stored(spec.transposed, spec.bias,  # packed mxfp4 rows are de-interleaved once
+                                               interleaved=spec.interleaved and not spec.mxfp4)
         options = layout.options()
         self.activation = options.pop("activation")
         self.act_options = options

@@ -67,6 +67,11 @@ class ExpertsLayout:
             return w1, w2, None, None
         return w1, w2, getattr(experts, f"{up}_bias"), experts.down_proj_bias
 
+    def stored(self, transposed: bool, bias: bool, interleaved: bool) -> ExpertsLayout:
+        """This layout for weights stored ``transposed``, with ``bias``, gate/up rows ``interleaved``."""
+        return replace(self, activation=replace(self.activation, interleaved=interleaved), transposed=transposed,
+                       bias=bias)
+
     def options(self) -> dict[str, object]:
         """The activation keyword arguments of ``tmoe.fused_experts``."""
         return self.activation.layer_kwargs()
@@ -156,5 +161,4 @@ def layout_of(experts: nn.Module) -> ExpertsLayout | str:
         layout = no_mul_layout(getattr(experts, "act_fn", None))
     if isinstance(layout, str):
         return layout
-    return replace(layout, activation=replace(layout.activation, interleaved=gated and not experts.is_concatenated),
-                   transposed=transposed, bias=experts.has_bias)
+    return layout.stored(transposed, experts.has_bias, interleaved=gated and not experts.is_concatenated)

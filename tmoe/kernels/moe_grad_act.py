@@ -23,15 +23,13 @@ import triton.language as tl
 from tmoe.kernels._details.common import _sigmoid, dequant_block
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.operands import BlockScales, scale_strides
-from tmoe.kernels.sizes import cdiv
+from tmoe.kernels.sizes import backward_stages, cdiv
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 
 @dataclass(frozen=True)
 class ActTiles:
-    """Tiles of ``moe_grad_act``: BLOCK_N intermediate columns, BLOCK_K steps (rows: the align block).
-    Two stages for float32 operands and for frozen fp8 weights (their K steps also stage a float32
-    block scale per weight: 240-295 KB at 3-4 stages on sm_90, over its 227 KB; 100-172 KB at 2)."""
+    """Tiles of ``moe_grad_act``: BLOCK_N intermediate columns, BLOCK_K steps (rows: the align block)."""
 
     block_n: int = 128
     block_k: int = 64
@@ -295,5 +293,5 @@ def moe_grad_act(
            MUL=activation.gated, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
-           num_stages=min(tiles.num_stages, 2) if fp32 or weight_scales else tiles.num_stages)  # see ActTiles
+           num_stages=backward_stages(tiles.num_stages, fp32, weight_scales is not None))
     return grad_h, inter, partial

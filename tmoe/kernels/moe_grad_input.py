@@ -17,7 +17,7 @@ import triton.language as tl
 
 from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels.operands import BlockScales, scale_strides
-from tmoe.kernels.sizes import cdiv
+from tmoe.kernels.sizes import backward_stages, cdiv
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 from tmoe.kernels.reduce import moe_reduce
@@ -124,7 +124,7 @@ def moe_grad_input(
                PRECISION="ieee" if fp32 else "tf32", FP8_W=weight_scales is not None,
                SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
                SCALE_C=weight_scales.block_shape[1] if weight_scales else 1, num_warps=tiles.num_warps,
-               num_stages=min(tiles.num_stages, 2) if fp32 or weight_scales else tiles.num_stages)  # ActTiles
+               num_stages=backward_stages(tiles.num_stages, fp32, weight_scales is not None))
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,
                topk_weights if apply_router_weight_on_input else None, expert_map, grad_x,

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels.sizes import cdiv
+from tmoe.kernels.sizes import backward_stages, cdiv
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 
@@ -147,5 +147,5 @@ def moe_grad_weight(
            TOPK=topk_weights.shape[1], BLOCK_P=tiles.block_p, BLOCK_Q=tiles.block_q, BLOCK_R=tiles.block_r,
            TOKENS_LEFT=tokens_left, SCALE_TOKENS=scale_tokens, HAS_MAP=expert_map is not None,
            WITH_BIAS=with_bias, WEIGHTED_BIAS=weighted_bias, PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
-           num_stages=min(tiles.num_stages, 2) if fp32 else tiles.num_stages)
+           num_stages=backward_stages(tiles.num_stages, fp32))
     return grad_w, grad_b
