@@ -1,11 +1,13 @@
 """Where does a tmoe training step's time go? Times the layer's forward and each backward op
 (``torch.ops.tmoe.moe_grad_*``, called as the layer's backward calls them) at the Qwen3-30B-A3B,
-Mixtral-8x7B, DeepSeek-V3 and GPT-OSS-20B layer shapes (bf16, random top-k routing; ``--transposed``:
-the weights as transposed views, as transformers stores GPT-OSS's), and prints each op's
+Mixtral-8x7B, DeepSeek-V3 and GPT-OSS-20B layer shapes (bf16, random top-k routing; the storage
+options of transformers' GPT-OSS each a flag: ``--transposed`` weights read as transposed views,
+``--interleaved`` gate/up rows, ``--bias``, ``--activation swigluoai``), and prints each op's
 milliseconds, its FLOPs (the registered FLOP formulas, counted by ``FlopCounterMode``), its
 TFLOP/s and that rate over the measured bf16 matmul rate; then the sum beside one whole
 forward+backward step and ``torch._grouped_mm``'s step. GPU only:
-``python bench/repro_train_breakdown.py [--ms 4096] [--shapes qwen3 mixtral deepseek gpt_oss] [--transposed]``."""
+``python bench/repro_train_breakdown.py [--ms 4096] [--shapes qwen3 mixtral deepseek gpt_oss] [--transposed]
+[--interleaved] [--bias] [--activation silu]``."""
 from __future__ import annotations
 
 import argparse
@@ -32,35 +34,41 @@ def _flops(fn: Callable[[], object]) -> int:
     return counter.get_total_flops()
 
 
-def run_shape(name: str, m: int, rate: float, transposed: bool) -> None:
+def run_shape(name: str, m: int, rate: float, args: argparse.Namespace) -> None:
     s = SHAPES[name]
     dev, dt = torch.device("cuda"), torch.bfloat16
     w1, w2 = make_weights(s.e, s.n, s.k, dev)
-    if transposed:  # stored (E, K, 2N) and (E, N, K), read through strides
+    if args.transposed:  # stored (E, K, 2N) and (E, N, K), read through strides
         w1, w2 = w1.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2)
+    b1, b2 = ((0.1 * torch.randn(s.e, 2 * s.n, device=dev, dtype=dt), 0.1 * torch.randn(s.e, s.k, device=dev, dtype=dt))
+              if args.bias else (None, None))
+    act, inter_leaved = args.activation, args.interleaved
     x = torch.randn(m, s.k, device=dev, dtype=dt)
     tw, ids = torch.topk(torch.randn(m, s.e, device=dev).softmax(-1), s.topk)
     ids = ids.to(torch.int32).contiguous()
     go = torch.randn(m, s.k, device=dev, dtype=dt)
     ops = torch.ops.tmoe
     block_m = grad_block_m(s.e)
+    t1, t2 = args.transposed, args.transposed  # dW written in the stored layout, as the layer's backward does
     sorted_ids, expert_ids, npp, offsets = ops.moe_grad_align(ids, block_m, s.e, None, None)
-    grad_h, inter, partial = ops.moe_grad_act(go, x, w1, w2, tw, sorted_ids, expert_ids, npp, block_m, None, None,
-                                              "silu", None, None, False, False)
+    grad_act = lambda: ops.moe_grad_act(go, x, w1, w2, tw, sorted_ids, expert_ids, npp, block_m, b1, b2, act, None,
+                                        None, inter_leaved, False)
+    grad_h, inter, partial = grad_act()
     parts = {
-        "forward (layer)": lambda: tmoe.fused_experts(x, w1, w2, tw, ids),
+        "forward (layer)": lambda: tmoe.fused_experts(x, w1, w2, tw, ids, activation=act, w1_bias=b1, w2_bias=b2,
+                                                      gate_up_interleaved=inter_leaved),
         "moe_grad_align": lambda: ops.moe_grad_align(ids, block_m, s.e, None, None),
-        "moe_grad_act (recompute + dA)": lambda: ops.moe_grad_act(
-            go, x, w1, w2, tw, sorted_ids, expert_ids, npp, block_m, None, None, "silu", None, None, False, False),
+        "moe_grad_act (recompute + dA)": grad_act,
         "moe_grad_input (dx, dw)": lambda: ops.moe_grad_input(
             grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, block_m, s.e, None, None, False),
         "moe_grad_weight dW1": lambda: ops.moe_grad_weight(
-            grad_h, x, tw, sorted_ids, offsets, s.e, False, False, False, False, None),
+            grad_h, x, tw, sorted_ids, offsets, s.e, False, False, args.bias, False, None, t1),
         "moe_grad_weight dW2": lambda: ops.moe_grad_weight(
-            go, inter, tw, sorted_ids, offsets, s.e, True, False, False, False, None),
+            go, inter, tw, sorted_ids, offsets, s.e, True, False, args.bias, True, None, t2),
     }
-    print(f"{name} M={m} (E={s.e} N={s.n} K={s.k} topk={s.topk}, align block {block_m}"
-          f"{', transposed weights' if transposed else ''})", flush=True)
+    layout = [f for f in ("transposed", "interleaved", "bias") if getattr(args, f)]
+    print(f"{name} M={m} (E={s.e} N={s.n} K={s.k} topk={s.topk}, align block {block_m}, {act}"
+          f"{''.join(', ' + f for f in layout)})", flush=True)
     total = 0.0
     for label, fn in parts.items():
         with torch.no_grad():
@@ -70,10 +78,15 @@ def run_shape(name: str, m: int, rate: float, transposed: bool) -> None:
         print(f"  {label:30s} {ms:8.3f} ms  {flops / 1e12:7.3f} TFLOP  {tflops:6.0f} TFLOP/s  "
               f"{tflops * 1e12 / rate:4.2f} of the mm rate", flush=True)
     del grad_h, inter, partial
-    params = tuple(t.requires_grad_() for t in (x, w1, w2, tw))  # the same leaves: no second copy of the weights
-    step = _ms(step_fn(lambda *a: tmoe.fused_experts(*a, ids), params, go))
-    peer = _ms(step_fn(grouped_mm_layer(ids), params, go))
-    print(f"  sum of the parts {total:.3f} ms; tmoe step {step:.3f} ms; grouped_mm step {peer:.3f} ms", flush=True)
+    leaves = (x, w1, w2, tw) + ((b1, b2) if args.bias else ())
+    params = tuple(t.requires_grad_() for t in leaves)  # the same leaves: no second copy of the weights
+    layer = lambda x, w1, w2, tw, b1=None, b2=None: tmoe.fused_experts(  # noqa: E731
+        x, w1, w2, tw, ids, activation=act, w1_bias=b1, w2_bias=b2, gate_up_interleaved=inter_leaved)
+    step = _ms(step_fn(layer, params, go))
+    line = f"  sum of the parts {total:.3f} ms; tmoe step {step:.3f} ms"
+    if not (args.bias or inter_leaved or act != "silu"):  # grouped_mm_layer is the plain silu layer
+        line += f"; grouped_mm step {_ms(step_fn(grouped_mm_layer(ids), params, go)):.3f} ms"
+    print(line, flush=True)
 
 
 def main() -> None:
@@ -81,12 +94,15 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--ms", type=int, nargs="+", default=[4096])
     parser.add_argument("--transposed", action="store_true", help="weights as transposed views (transformers' GPT-OSS)")
+    parser.add_argument("--interleaved", action="store_true", help="gate/up rows alternate (GPT-OSS)")
+    parser.add_argument("--bias", action="store_true", help="expert biases (GPT-OSS), their gradients included")
+    parser.add_argument("--activation", default="silu", help="the gated activation (GPT-OSS: swigluoai)")
     args = parser.parse_args()
     rate = measure_ceilings(False, trials=3).bf16_flops
     print(f"bf16 matmul rate (best of 3 trials): {rate / 1e12:.0f} TFLOP/s", flush=True)
     for m in args.ms:
         for name in args.shapes:
-            run_shape(name, m, rate, args.transposed)
+            run_shape(name, m, rate, args)
             torch.cuda.empty_cache()
 
 
