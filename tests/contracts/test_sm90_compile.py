@@ -15,14 +15,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = (
     "_align_count_kernel _align_scan_kernel _align_scatter_kernel _align_single_kernel _align_sort_kernel "
     "_batched_dispatch_kernel "
-    "_moe_down_reduce_kernel _moe_fused_decode_kernel _moe_gemm_kernel _moe_grad_act_kernel _moe_grad_input_kernel "
+    "_moe_down_reduce_kernel _moe_fused_decode_kernel _moe_gemm_kernel _moe_grad_act_kernel _moe_grad_bias_kernel "
+    "_moe_grad_input_kernel "
     "_moe_grad_weight_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
     "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_grad_kernel _topk_route_kernel _zero_kernel"
 ).split()
 
 # launched with launch_pdl and compiled with gdc_wait / gdc_launch_dependents under override_pdl(True)
 PDL_KERNELS = sorted(set(KERNELS) - {"_batched_dispatch_kernel", "_topk_route_kernel", "_zero_kernel", "_moe_grad_act_kernel",
-                                      "_moe_grad_input_kernel", "_moe_grad_weight_kernel", "_topk_route_grad_kernel"})
+                                      "_moe_grad_bias_kernel", "_moe_grad_input_kernel", "_moe_grad_weight_kernel",
+                                      "_topk_route_grad_kernel"})
 
 # tmoe.testing.sm90: a stand-in CUDA driver reports an sm_90 device; launches only compile, nothing runs.
 SCRIPT = textwrap.dedent("""
@@ -86,6 +88,10 @@ SCRIPT = textwrap.dedent("""
         tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)
     batched = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(16, 4), tmoe.BatchedTritonExperts(16))
     batched(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    wt1, wt2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (p.w1, p.w2))  # stored transposed: HALVES
+    for route in ("sorted", "fused"):
+        with tmoe.override_route(route):
+            tmoe.fused_experts(p.x, wt1, wt2, p.topk_weights, p.topk_ids)
     # the backward kernels: the layer's (with biases, swigluoai interleaved) and the router's
     train = [t.clone().requires_grad_() for t in (p.x, p.w1, p.w2, p.topk_weights)]
     b1, b2 = torch.zeros(4, 256, requires_grad=True), torch.zeros(4, 256, requires_grad=True)
@@ -98,6 +104,9 @@ SCRIPT = textwrap.dedent("""
     tmoe.fused_experts(many.x.requires_grad_(), many.w1.to(FP8), many.w2.to(FP8), many.topk_weights.requires_grad_(),
                        many.topk_ids, quant_config=fp8["quant_config"], w1_scale=torch.ones(32, 2, 2),
                        w2_scale=torch.ones(32, 2, 1)).sum().backward()
+    tmoe.fused_experts(many.x, many.w1.to(FP8), many.w2.to(FP8), many.topk_weights, many.topk_ids,  # interleaved rows
+                       activation="swigluoai", gate_up_interleaved=True, quant_config=fp8["quant_config"],
+                       w1_scale=torch.ones(32, 2, 2), w2_scale=torch.ones(32, 2, 1)).sum().backward()
     tmoe.topk_route(torch.randn(9, 16, requires_grad=True), 2)[0].sum().backward()
     tmoe.per_token_quant_fp8(p.x)
     tmoe.static_quant_fp8(p.x, torch.ones(1))

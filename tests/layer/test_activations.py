@@ -80,6 +80,27 @@ def test_activation_matches_reference(act, layout, variant):
     assert_close(out, moe_reference(p.x, w1, p.w2, p.topk_weights, p.topk_ids, **kwargs), dtype, name=str(act))
 
 
+TRANSPOSED_ACTS = [Act("silu"), Act("swigluoai", dict(swiglu_alpha=1.3, swiglu_limit=0.4), bias=True),
+                   Act("swigluoai", dict(gate_up_interleaved=True, swiglu_alpha=1.1, swiglu_limit=0.6), bias=True),
+                   Act("relu2_no_mul", bias=True)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("act", TRANSPOSED_ACTS, ids=str)
+def test_weights_stored_transposed(act, layout):
+    """w1 and w2 read as transposed views of their storage (transformers keeps GPT-OSS's as (E, K, 2N)
+    and (E, N, K)): the up GEMM reads W1's gate rows and up rows as two contiguous runs of the stored
+    dimension, not alternating rows; N=40 leaves a ragged last tile in both runs."""
+    p = make_problem(MoEShape(6, 4, 40, 64, 2), torch.float32, "out_of_range", seed=len(str(act)), device=DEVICE)
+    w1, w2 = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (act.w1(p.w1), p.w2))
+    assert w1.stride(1) == 1 and w2.stride(1) == 1
+    kwargs = dict(activation=act.activation, **act.options)
+    if act.bias:
+        kwargs.update(w1_bias=torch.randn(4, w1.shape[1], device=DEVICE), w2_bias=torch.randn(4, 64, device=DEVICE))
+    out = run_layout(layout, p.x, w1, w2, p.topk_weights, p.topk_ids, **kwargs)
+    assert_close(out, moe_reference(p.x, w1, w2, p.topk_weights, p.topk_ids, **kwargs), torch.float32, name=str(act))
+
+
 @pytest.mark.parametrize("layout", ["sorted", "direct", "slots", "fused"])  # the Batched prepare refuses the option
 def test_no_mul_router_weight_on_input(layout):
     """apply_router_weight_on_input scales the input of a non-gated activation (relu² is not

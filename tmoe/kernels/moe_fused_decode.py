@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels._details.common import act_and_mul, act_no_mul, local_expert, w1_columns
+from tmoe.kernels._details.common import act_and_mul, act_no_mul, local_expert, split_gate_up, w1_columns
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.sizes import cdiv, next_power_of_2
@@ -41,10 +41,10 @@ def _up_tile(x_ptr, w1_ptr, w1_scale_ptr, w1_zp_ptr, expert, token, pid_n, row0,
              stride_s1e, stride_s1n, stride_s1k, stride_z1e, stride_z1n, stride_z1k,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr, QUANT: tl.constexpr,
              HAS_ZP: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr, EVEN_K: tl.constexpr,
-             PRECISION: tl.constexpr, ASM_UNPACK: tl.constexpr):
+             PRECISION: tl.constexpr, ASM_UNPACK: tl.constexpr, HALVES: tl.constexpr):
     """float32 (gate [16, BN], up [16, BN]) of the token (row 0) for intermediate block ``pid_n``
     (up = gate when not MUL), W1's rows as in ``moe_gemm`` (``common.w1_columns``)."""
-    w_cols, mask_c = w1_columns(pid_n, N, BLOCK_N, MUL, INTERLEAVED)  # [BN] ([2BN] gate/up pairs when MUL)
+    w_cols, mask_c = w1_columns(pid_n, N, BLOCK_N, MUL, INTERLEAVED, HALVES)  # [BN] ([2BN] gate and up when MUL)
     zp_rows, zp_shift = zero_point_rows(w_cols, QUANT)
     offs_wk, _ = b_rows(BLOCK_K, QUANT)  # [BK] ([BK/2] 4-bit packed bytes)
     offs_k = tl.arange(0, BLOCK_K)
@@ -57,7 +57,7 @@ def _up_tile(x_ptr, w1_ptr, w1_scale_ptr, w1_zp_ptr, expert, token, pid_n, row0,
         16, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION, ASM_UNPACK, False,
     )  # [16, BN] float32, [16, 2BN] when MUL
     if MUL:
-        gate, up = tl.split(tl.reshape(acc, (16, BLOCK_N, 2)))
+        gate, up = split_gate_up(acc, 16, BLOCK_N, HALVES)
     else:
         gate = acc
         up = acc
@@ -87,7 +87,7 @@ def _moe_fused_decode_kernel(
     MUL: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr,
     APPLY_WEIGHTS: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, HAS_MAP: tl.constexpr,
     HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, HALVES: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # PDL: before anything is read (pdl.py)
     # the slots of one intermediate block run side by side
@@ -102,7 +102,8 @@ def _moe_fused_decode_kernel(
     gate, up = _up_tile(x_ptr, w1_ptr, w1_scale_ptr, w1_zp_ptr, expert, slot // TOPK, pid_n, row0, N, K,
                         stride_xm, stride_xk, stride_w1e, stride_w1n, stride_w1k,
                         stride_s1e, stride_s1n, stride_s1k, stride_z1e, stride_z1n, stride_z1k,
-                        BLOCK_N, BLOCK_K, GROUP_K, QUANT, HAS_ZP, MUL, INTERLEAVED, EVEN_K, PRECISION, ASM_UNPACK_1)
+                        BLOCK_N, BLOCK_K, GROUP_K, QUANT, HAS_ZP, MUL, INTERLEAVED, EVEN_K, PRECISION, ASM_UNPACK_1,
+                        HALVES)
     weight = 1.0
     if APPLY_WEIGHTS:
         weight = tl.load(topk_weights_ptr + slot)
@@ -260,6 +261,7 @@ def moe_fused_decode(
         **{**_weight_args(1, w1_scales, x, w1, config, bn * (1 + mul)),  # the two share GROUP_K, QUANT, HAS_ZP
            **_weight_args(2, w2_scales, x, w2, GemmConfig(16, bkd, bn, num_warps=config.num_warps), bkd)},
         TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KD=bkd, **activation.kernel_args(),
+        HALVES=mul and not activation.interleaved and w1.stride(1) == 1 and w1.stride(2) != 1,  # transposed W1
         APPLY_WEIGHTS=topk_weights is not None, WEIGHT_ON_INPUT=weight_on_input,
         HAS_MAP=expert_map is not None, HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
         EVEN_K=k % bk == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -9,6 +9,8 @@ expert read from topk_ids; for decode, where nearly every slot has an expert of 
 grid covers the worst case; programs read the real token counts from device memory and
 return early. ``PERSISTENT`` (sorted route, TMA weights; ``GemmConfig.persistent``): at most one
 program per SM, each walking the valid tiles (read from num_tokens_post_padded) in grouped order.
+``HALVES`` (W1 stored transposed, its rows contiguous; pointer loads): the up tile reads gate rows
+then up rows as two contiguous runs (``common.w1_columns``) instead of alternating rows.
 All row and expert offsets are int64.
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels._details.common import local_expert, w1_columns
+from tmoe.kernels._details.common import local_expert, split_gate_up, w1_columns
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul, moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.activation import NO_ACTIVATION_ARGS, Activation
 from tmoe.kernels.sizes import cdiv
@@ -75,7 +77,7 @@ def _moe_gemm_kernel(
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK: tl.constexpr,
-    SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr,
+    SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr, HALVES: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # PDL: before anything is read; the next kernel may start after the K loop (pdl.py)
     if PERSISTENT:  # sorted route, TMA weights: each program walks the valid tiles, grid-size apart
@@ -152,7 +154,7 @@ def _moe_gemm_kernel(
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, EVEN_K, PRECISION,
             )  # [BM, BN] float32 each (up: MUL only)
         else:
-            w_cols, mask_c = w1_columns(pid_n, N, BLOCK_N, MUL, INTERLEAVED)  # [BN] ([2BN] gate/up pairs when MUL)
+            w_cols, mask_c = w1_columns(pid_n, N, BLOCK_N, MUL, INTERLEAVED, HALVES)  # [BN] ([2BN] gate and up when MUL)
             zp_rows, zp_shift = zero_point_rows(w_cols, QUANT)  # [BN] (2BN when MUL)
             offs_wk, _ = b_rows(BLOCK_K, QUANT)  # [BK] ([BK/2] 4-bit packed bytes)
             acc = moe_tile_matmul(
@@ -166,7 +168,7 @@ def _moe_gemm_kernel(
                 BLOCK_M, BLOCK_N * (1 + MUL), BLOCK_K, GROUP_K, QUANT, HAS_ZP, EVEN_K, PRECISION, ASM_UNPACK, SWAP_AB,
             )  # [BM, BN] float32, [BM, 2BN] when MUL
             if MUL:
-                acc, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+                acc, up = split_gate_up(acc, BLOCK_M, BLOCK_N, HALVES)
             else:
                 up = acc  # read only when MUL
         pdl_launch_dependents(USE_PDL)
@@ -264,6 +266,7 @@ def invoke_moe_gemm(
         GATED=gated, **act_args, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, SWAP_AB=config.swap_ab, PERSISTENT=persistent,
+        HALVES=mul and not act_args["INTERLEAVED"] and w.stride(1) == 1 and w.stride(2) != 1,
         **route, **scale_args(scales, a, w, config, config.block_n * (1 + mul)), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned

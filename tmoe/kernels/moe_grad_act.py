@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tmoe.kernels._details.common import _sigmoid, dequant_block
+from tmoe.kernels._details.activation_grad import act_and_mul_grad, act_no_mul_grad
+from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv
@@ -47,64 +48,6 @@ def grad_block_m(num_experts: int) -> int:
 def act_tiles(block_m: int) -> ActTiles:
     """``moe_grad_act``'s tiles at an align block (the sweep's best at each)."""
     return ActTiles(128, 32, 8, 4) if block_m >= 128 else ActTiles()
-
-
-@triton.jit
-def _silu_grad(x):
-    """(silu(x), silu'(x)) in float32."""
-    s = _sigmoid(x)
-    return x * s, s * (1.0 + x * (1.0 - s))
-
-
-@triton.jit
-def _gelu_grad(x, TANH: tl.constexpr):
-    """(gelu(x), gelu'(x)) in float32 (TANH: the tanh approximation)."""
-    if TANH:
-        t = 2.0 * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x)) - 1.0  # tanh(sqrt(2/pi) (x + ...))
-        dt = 0.7978845608028654 * (1.0 + 0.134145 * x * x)  # d/dx of the tanh's argument
-        return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dt
-    cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
-    return x * cdf, cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
-
-
-@triton.jit
-def act_and_mul_grad(gate, up, alpha, limit, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr):
-    """(a, da/dgate, da/dup) of ``common.act_and_mul``; [BM, BN] float32 tiles. Clamps pass the
-    gradient where the input lies inside the closed range, as torch.clamp does."""
-    if ACTIVATION == "swigluoai":
-        in_g = gate <= limit
-        in_u = (up >= -limit) & (up <= limit)
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        s = _sigmoid(alpha * gate)
-        glu = gate * s
-        d_gate = tl.where(in_g, (s + glu * alpha * (1.0 - s)) * (up + 1.0), 0.0)
-        return glu * (up + 1.0), d_gate, tl.where(in_u, glu, 0.0)
-    if ACTIVATION == "silu":
-        f, df = _silu_grad(gate)
-    else:
-        f, df = _gelu_grad(gate, ACTIVATION == "gelu_tanh")
-    if CLAMP:  # silu with a limit: min(silu(gate), limit) * clamp(up, -limit, limit)
-        df = tl.where(f <= limit, df, 0.0)
-        f = tl.minimum(f, limit)
-        d_up = tl.where((up >= -limit) & (up <= limit), f, 0.0)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-    else:
-        d_up = f
-    return f * up, df * up, d_up
-
-
-@triton.jit
-def act_no_mul_grad(h, ACTIVATION: tl.constexpr):
-    """(act(h), act'(h)) of ``common.act_no_mul``; [BM, BN] float32 tile."""
-    if ACTIVATION == "silu_no_mul":
-        f, df = _silu_grad(h)
-    elif ACTIVATION == "gelu_no_mul":
-        f, df = _gelu_grad(h, False)
-    else:  # relu2_no_mul
-        r = tl.maximum(h, 0.0)
-        f, df = r * r, 2.0 * r
-    return f, df
 
 
 @triton.jit(do_not_specialize=['num_slots'])
@@ -144,6 +87,12 @@ def _moe_grad_act_kernel(
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     mask_n = offs_n < N
+    # PAIRED (interleaved gate/up): W1's rows 2j, 2j + 1 of the block read and written as one
+    # contiguous [2BN] run (strided halves do not coalesce when W1 is stored transposed, nor do
+    # grad_h's stores), its products split into gate and up after the K loop
+    PAIRED: tl.constexpr = MUL and INTERLEAVED
+    pair_rows = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)  # [2BN] (PAIRED)
+    mask_pair = pair_rows < 2 * N
     if MUL:
         gate_rows = offs_n * (1 + INTERLEAVED)  # [BN]
         up_rows = gate_rows + (1 if INTERLEAVED else N)
@@ -156,15 +105,20 @@ def _moe_grad_act_kernel(
     p_ptrs = partial_ptr + rows * stride_pm + pid_n  # [BM]
     if expert < 0:  # remote: no gradient flows through these slots
         zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=grad_h_ptr.dtype.element_ty)
-        tl.store(h_ptrs + gate_rows[None, :], zeros, mask=mask_n[None, :])
-        if MUL:
-            tl.store(h_ptrs + up_rows[None, :], zeros, mask=mask_n[None, :])
+        if PAIRED:
+            tl.store(h_ptrs + pair_rows[None, :], tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=grad_h_ptr.dtype.element_ty),
+                     mask=mask_pair[None, :])
+        else:
+            tl.store(h_ptrs + gate_rows[None, :], zeros, mask=mask_n[None, :])
+            if MUL:
+                tl.store(h_ptrs + up_rows[None, :], zeros, mask=mask_n[None, :])
         tl.store(i_ptrs, zeros.to(inter_ptr.dtype.element_ty), mask=mask_n[None, :])
         tl.store(p_ptrs, tl.zeros((BLOCK_M,), dtype=tl.float32))
         return
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_pair = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # PAIRED: x @ W1's [2BN] rows
     acc_b2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
     w1_base = w1_ptr + expert * stride_w1e
     w2_base = w2_ptr + expert * stride_w2e + offs_n[None, :] * stride_w2n  # [1, BN]
@@ -178,16 +132,26 @@ def _moe_grad_act_kernel(
         xt = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_a,
                      other=0.0)  # [BM, BK]
         w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
-        w1g = tl.load(w1_base + gate_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
-                      other=0.0)  # [BK, BN]
         if FP8_W:  # frozen block-fp8 weights, dequantized in registers (w2's rows are K, w1's are 2N)
             w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :], stride_s2r,
                                 stride_s2c, mask_b, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
-            w1g = dequant_block(w1g, s1_ptr + expert * stride_s1e, gate_rows[None, :], offs_k[:, None], stride_s1r,
-                                stride_s1c, mask_b, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
         acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
-        acc_gate = tl.dot(xt, w1g, acc_gate, input_precision=PRECISION)
-        if MUL:
+        if PAIRED:
+            mask_w = mask_k[:, None] & mask_pair[None, :]
+            w1p = tl.load(w1_base + pair_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_w,
+                          other=0.0)  # [BK, 2BN]
+            if FP8_W:
+                w1p = dequant_block(w1p, s1_ptr + expert * stride_s1e, pair_rows[None, :], offs_k[:, None],
+                                    stride_s1r, stride_s1c, mask_w, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
+            acc_pair = tl.dot(xt, w1p, acc_pair, input_precision=PRECISION)
+        else:
+            w1g = tl.load(w1_base + gate_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
+                          other=0.0)  # [BK, BN]
+            if FP8_W:
+                w1g = dequant_block(w1g, s1_ptr + expert * stride_s1e, gate_rows[None, :], offs_k[:, None],
+                                    stride_s1r, stride_s1c, mask_b, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
+            acc_gate = tl.dot(xt, w1g, acc_gate, input_precision=PRECISION)
+        if MUL and not PAIRED:
             w1u = tl.load(w1_base + up_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
                           other=0.0)  # [BK, BN]
             if FP8_W:
@@ -198,14 +162,22 @@ def _moe_grad_act_kernel(
             b2 = tl.load(b2_ptr + expert * stride_b2e + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
             acc_b2 += tl.sum(go.to(tl.float32) * b2[None, :], axis=1)
     w = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM] float32
+    if PAIRED:
+        acc_gate, acc_up = tl.split(tl.reshape(acc_pair, (BLOCK_M, BLOCK_N, 2)))
     hg, hu = acc_gate, acc_up
     if ON_INPUT:  # the forward scales the input: h = w * (x @ w1.T) + b1
         hg = hg * w[:, None]
         hu = hu * w[:, None]
     if HAS_B1:
-        hg += tl.load(b1_ptr + expert * stride_b1e + gate_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if MUL:
-            hu += tl.load(b1_ptr + expert * stride_b1e + up_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if PAIRED:
+            b1g, b1u = tl.split(tl.reshape(tl.load(b1_ptr + expert * stride_b1e + pair_rows, mask=mask_pair,
+                                                   other=0.0).to(tl.float32), (BLOCK_N, 2)))
+            hg += b1g[None, :]
+            hu += b1u[None, :]
+        else:
+            hg += tl.load(b1_ptr + expert * stride_b1e + gate_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if MUL:
+                hu += tl.load(b1_ptr + expert * stride_b1e + up_rows, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if MUL:
         a, d_gate, d_up = act_and_mul_grad(hg, hu, alpha, limit, ACTIVATION, CLAMP)
     else:
@@ -218,10 +190,14 @@ def _moe_grad_act_kernel(
         tl.store(i_ptrs, (a.to(tl.float32) * w[:, None]).to(inter_ptr.dtype.element_ty), mask=mask_n[None, :])
     da = acc_g if ON_INPUT else acc_g * w[:, None]
     dh_gate = tl.where(mask_out, da * d_gate, 0.0)
-    tl.store(h_ptrs + gate_rows[None, :], dh_gate.to(grad_h_ptr.dtype.element_ty), mask=mask_n[None, :])
-    if MUL:
-        dh_up = tl.where(mask_out, da * d_up, 0.0)
-        tl.store(h_ptrs + up_rows[None, :], dh_up.to(grad_h_ptr.dtype.element_ty), mask=mask_n[None, :])
+    dh_up = tl.where(mask_out, da * d_up, 0.0)  # read only when MUL
+    if PAIRED:
+        dh = tl.reshape(tl.join(dh_gate, dh_up), (BLOCK_M, 2 * BLOCK_N))  # [BM, 2BN] in W1's row order
+        tl.store(h_ptrs + pair_rows[None, :], dh.to(grad_h_ptr.dtype.element_ty), mask=mask_pair[None, :])
+    else:
+        tl.store(h_ptrs + gate_rows[None, :], dh_gate.to(grad_h_ptr.dtype.element_ty), mask=mask_n[None, :])
+        if MUL:
+            tl.store(h_ptrs + up_rows[None, :], dh_up.to(grad_h_ptr.dtype.element_ty), mask=mask_n[None, :])
     if ON_INPUT:  # dL/dw = <dh, x @ w1.T>
         part = tl.sum(dh_gate * acc_gate, axis=1)
         if MUL:

@@ -29,6 +29,8 @@ GPT_OSS_20B = dict(config="GptOssConfig", hidden_size=2880, intermediate_size=28
                    layer_types=["full_attention"])
 TINY = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=32, num_experts=4, num_local_experts=4,
             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=96)
+TRAIN_MODELS = {"qwen3_30b_a3b": QWEN3_30B, "gpt_oss_20b": GPT_OSS_20B}
+IMPLEMENTATIONS = ["tmoe", "grouped_mm", "eager"]
 FIELDS = ["date", "gpu", "torch", "triton", "transformers", "commit", "bench", "model", "implementation", "batch",
           "tokens", "ms", "peak_gib"]
 
@@ -58,8 +60,11 @@ def train_layer(sizes: dict, implementation: str, tokens: int, batch: int, tiny:
     """(median ms, peak GiB) of one forward + backward + AdamW step of the model's first decoder layer."""
     config = _config(sizes, 1, tiny)
     dtype = torch.float32 if tiny else torch.bfloat16
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=implementation, dtype=dtype)
-    layer, rotary = model.model.layers[0].to(device).train(), model.model.rotary_emb.to(device)
+    with torch.device(device):  # built where it runs (a CPU init of GPT-OSS's 201k-row embeddings takes minutes)
+        model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=implementation,
+                                                              dtype=dtype)
+    layer, rotary = model.model.layers[0].train(), model.model.rotary_emb
+    del model  # the embeddings and head are freed before the peak is reset
     x = torch.randn(batch, tokens, config.hidden_size, device=device, dtype=dtype, requires_grad=True)
     positions = torch.arange(tokens, device=device).expand(batch, -1)
     embeddings = rotary(x, positions)
@@ -110,6 +115,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=None, help="sequences of the training step (4; 2 with --tiny)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens generate adds (64; 4 with --tiny)")
     p.add_argument("--skip", choices=["train", "generate"], default=None)
+    p.add_argument("--models", nargs="+", choices=list(TRAIN_MODELS), default=list(TRAIN_MODELS),
+                   help="the training rows' models (default: both)")
+    p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=IMPLEMENTATIONS,
+                   help="the training rows' experts implementations (generate compares tmoe and grouped_mm)")
     p.add_argument("--out", type=Path, default=Path("bench/results/bench_hf.csv"))
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
@@ -132,9 +141,9 @@ def main(argv: list[str]) -> int:
         print(*row, flush=True)
 
     if args.skip != "train":
-        for name, sizes in (("qwen3_30b_a3b", QWEN3_30B), ("gpt_oss_20b", GPT_OSS_20B)):
-            for impl in ("tmoe", "grouped_mm", "eager"):
-                ms, peak = train_layer(sizes, impl, args.tokens, args.batch, args.tiny, device)
+        for name in args.models:
+            for impl in args.implementations:
+                ms, peak = train_layer(TRAIN_MODELS[name], impl, args.tokens, args.batch, args.tiny, device)
                 record(["train_layer", name, impl, args.batch, args.tokens, f"{ms:.2f}", f"{peak:.2f}"])
     if args.skip != "generate":
         for batch in (1, 32):

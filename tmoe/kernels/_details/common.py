@@ -45,20 +45,35 @@ def act_no_mul(h, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def w1_columns(pid_n, N, BLOCK_N: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr):
+def w1_columns(pid_n, N, BLOCK_N: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr,
+               HALVES: tl.constexpr = False):
     """(W1 rows [BN] int64, their mask) of up-GEMM column block ``pid_n``; MUL: [2BN], tile column
-    2j the gate row of n_j, 2j + 1 its up row (N + n_j; INTERLEAVED: W1 rows 2 n_j and 2 n_j + 1)."""
+    2j the gate row of n_j, 2j + 1 its up row (N + n_j; INTERLEAVED: W1 rows 2 n_j and 2 n_j + 1);
+    HALVES (gate rows then up rows, W1 stored transposed): tile column j the gate row of n_j, BN + j
+    its up row, so each half is a contiguous run of W1's contiguous dimension."""
     if MUL:
         offs_c = tl.arange(0, 2 * BLOCK_N)
         if INTERLEAVED:
             w_cols = pid_n.to(tl.int64) * 2 * BLOCK_N + offs_c  # [2BN]
+            mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
+        elif HALVES:
+            w_cols = (offs_c // BLOCK_N) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c % BLOCK_N  # [2BN]
+            mask_c = (pid_n * BLOCK_N + offs_c % BLOCK_N) < N
         else:
             w_cols = (offs_c % 2) * N + pid_n.to(tl.int64) * BLOCK_N + offs_c // 2  # [2BN]
-        mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
+            mask_c = (pid_n * BLOCK_N + offs_c // 2) < N
     else:
         w_cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         mask_c = w_cols < N
     return w_cols, mask_c
+
+
+@triton.jit
+def split_gate_up(acc, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, HALVES: tl.constexpr):
+    """(gate, up) [ROWS, BN] of an up-GEMM tile [ROWS, 2BN] whose columns are in ``w1_columns``' order."""
+    if HALVES:
+        return tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, BLOCK_N)), (0, 2, 1)))
+    return tl.split(tl.reshape(acc, (ROWS, BLOCK_N, 2)))
 
 
 @triton.jit
