@@ -90,6 +90,21 @@ def test_gradients_match_float64_reference(case):
     _check(grads, reference_grads(inputs, grad_out, **options), case.dtype, inputs)
 
 
+def test_grouped_tile_order_covers_every_tile(monkeypatch):
+    """The backward GEMMs run their tiles in grouped order (``sizes.row_group`` row blocks per group):
+    with a budget of three row blocks per group, 20 expert row blocks in a grid of 21 (the last group
+    partial) and two column blocks of N (moe_grad_act) and of K (moe_grad_input), every tile is
+    still computed, against float64."""
+    from tmoe.kernels import sizes
+    case = Case("grouped", m=40, e=20, n=160, k=300, topk=2)
+    monkeypatch.setattr(sizes, "L2_ROWS_BUDGET", 3 * 2 * grad_block_m(case.e) * case.k * 4)  # moe_grad_act's x, go
+    assert sizes.row_group(2 * grad_block_m(case.e) * case.k * 4) == 3
+    inputs = _inputs(case)
+    grad_out = torch.randn(case.m, case.k, device=DEVICE)
+    grads = layer_grads(tmoe.fused_experts, inputs, grad_out)
+    _check(grads, reference_grads(inputs, grad_out), torch.float32, inputs)
+
+
 def test_remote_experts_get_zero_gradient():
     """expert_map: slots of remote experts contribute exactly zero to every gradient."""
     case = Case("map", m=9, e=6, bias=True)

@@ -10,7 +10,8 @@ Each program owns BLOCK_M aligned rows (one expert) and BLOCK_N intermediate col
 feeds the three dots (go @ w2 tile, x @ gate rows, x @ up rows), the epilogue applies the
 activation's derivative. ``dh`` and ``a`` are written in aligned-row order (the order the dX and
 dW GEMMs read them; padding rows are zeros), ``dw`` as one float32 partial per (row, column
-block), summed in a fixed order by ``moe_grad_input``. No atomics: deterministic.
+block), summed in a fixed order by ``moe_grad_input``. No atomics: deterministic. Tiles run in
+grouped order (``sizes.row_group`` row blocks sweep the column blocks together).
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ import triton.language as tl
 
 from tmoe.kernels._details.activation_grad import act_and_mul_grad, act_no_mul_grad
 from tmoe.kernels._details.common import dequant_block
+from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.operands import BlockScales, scale_strides
-from tmoe.kernels.sizes import backward_stages, cdiv
+from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 
@@ -50,7 +52,7 @@ def act_tiles(block_m: int) -> ActTiles:
     return ActTiles(128, 32, 8, 4) if block_m >= 128 else ActTiles()
 
 
-@triton.jit(do_not_specialize=['num_slots'])
+@triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_grad_act_kernel(
     grad_out_ptr,  # [M, K] dL/dout
     x_ptr,  # [M, K]
@@ -67,17 +69,18 @@ def _moe_grad_act_kernel(
     partial_ptr,  # [P, NUM_PID_N] float32 out
     s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s)
     s2_ptr,  # [E, cdiv(K, SCALE_R), cdiv(N, SCALE_C)] float32 (FP8_W)
-    num_slots, N, K, alpha, limit,
+    num_slots, N, K, alpha, limit, num_pid_m,
     stride_gm, stride_gk, stride_xm, stride_xk, stride_w1e, stride_w1r, stride_w1k, stride_w2e, stride_w2k,
     stride_w2n, stride_b1e, stride_b2e, stride_hm, stride_im, stride_pm, stride_s1e, stride_s1r, stride_s1c,
     stride_s2e, stride_s2r, stride_s2c,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACTIVATION: tl.constexpr, MUL: tl.constexpr, CLAMP: tl.constexpr, INTERLEAVED: tl.constexpr,
     ON_INPUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, PRECISION: tl.constexpr,
-    FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m = pid_m.to(tl.int64)
+    pid_n = pid_n.to(tl.int64)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] aligned rows
@@ -256,9 +259,10 @@ def moe_grad_act(
     b2 = w2_bias if w2_bias is not None else topk_weights
     s1, s2 = (weight_scales.w1_scale, weight_scales.w2_scale) if weight_scales else (partial, partial)
     fp32 = x.dtype == torch.float32
-    launch(_moe_grad_act_kernel, (cdiv(p, block_m), num_pid_n),
+    num_pid_m = cdiv(p, block_m)
+    launch(_moe_grad_act_kernel, (num_pid_m * num_pid_n,),
            grad_out, x, w1, w2, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, grad_h, inter, partial,
-           s1, s2, num_slots, n, k, alpha, limit,
+           s1, s2, num_slots, n, k, alpha, limit, num_pid_m,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
            b1.stride(0), b2.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
            *scale_strides(s1), *scale_strides(s2), FP8_W=weight_scales is not None,
@@ -268,6 +272,7 @@ def moe_grad_act(
            ACTIVATION=activation.name,
            MUL=activation.gated, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
+           GROUP_M=row_group(2 * block_m * k * x.element_size()),  # x and grad_out rows
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
            num_stages=backward_stages(tiles.num_stages, fp32, weight_scales is not None))
     return grad_h, inter, partial

@@ -5,7 +5,9 @@ Per aligned row block of expert e (one program per BLOCK_M rows and BLOCK_N colu
 written per slot, then summed over each token's top-k slots in a fixed order by the reduce stage
 (``tmoe.kernels.reduce.moe_reduce``; apply_router_weight_on_input multiplies by the router weight
 there). The programs of the first column block also sum each row's partial router-weight
-gradients (``moe_grad_act``) in a fixed order. No atomics: deterministic.
+gradients (``moe_grad_act``) in a fixed order. No atomics: deterministic. Tiles run in grouped
+order (``sizes.row_group`` row blocks sweep the column blocks together), so each row block's dh is
+read from memory about once, not once per column block.
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels._details.common import dequant_block
+from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.operands import BlockScales, scale_strides
-from tmoe.kernels.sizes import backward_stages, cdiv
+from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 from tmoe.kernels.reduce import moe_reduce
@@ -35,7 +38,7 @@ class InputTiles:
     num_stages: int = 3
 
 
-@triton.jit(do_not_specialize=['num_slots'])
+@triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_grad_input_kernel(
     grad_h_ptr,  # [P, W1_ROWS] aligned rows
     w1_ptr,  # [E, W1_ROWS, K]
@@ -46,13 +49,15 @@ def _moe_grad_input_kernel(
     grad_slots_ptr,  # [num_slots, K] out
     grad_weights_ptr,  # [num_slots] float32 out (zero-filled by the launcher)
     s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s)
-    num_slots, W1_ROWS, K, num_parts,
+    num_slots, W1_ROWS, K, num_parts, num_pid_m,
     stride_hm, stride_w1e, stride_w1r, stride_w1k, stride_sm, stride_pm, stride_s1e, stride_s1r, stride_s1c,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1).to(tl.int64)
+    pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
+    pid_m = pid_m.to(tl.int64)
+    pid_n = pid_n.to(tl.int64)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -116,14 +121,16 @@ def moe_grad_input(
     if p:
         fp32 = grad_h.dtype == torch.float32
         s1 = weight_scales.w1_scale if weight_scales else partial
-        launch(_moe_grad_input_kernel, (cdiv(p, block_m), cdiv(k, tiles.block_n)),
+        num_pid_m = cdiv(p, block_m)
+        launch(_moe_grad_input_kernel, (num_pid_m * cdiv(k, tiles.block_n),),
                grad_h, w1, partial, sorted_ids, expert_ids, num_post_padded, grad_slots, grad_weights, s1,
-               m * topk, w1_rows, k, partial.shape[1],
+               m * topk, w1_rows, k, partial.shape[1], num_pid_m,
                grad_h.stride(0), *w1.stride(), grad_slots.stride(0), partial.stride(0), *scale_strides(s1),
                BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK,
                PRECISION="ieee" if fp32 else "tf32", FP8_W=weight_scales is not None,
                SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
-               SCALE_C=weight_scales.block_shape[1] if weight_scales else 1, num_warps=tiles.num_warps,
+               SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,
+               GROUP_M=row_group(block_m * w1_rows * grad_h.element_size()), num_warps=tiles.num_warps,
                num_stages=backward_stages(tiles.num_stages, fp32, weight_scales is not None))
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,

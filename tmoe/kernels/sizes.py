@@ -12,6 +12,16 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+L2_ROWS_BUDGET = 24 << 20  # bytes of row operands one tile group keeps in L2 (half of Hopper's 50 MB)
+
+
+def row_group(row_block_bytes: int, max_group: int = 32) -> int:
+    """Row blocks that sweep every column block together (grouped tile order, ``tile_ids``): as many
+    as keep their row operands within L2_ROWS_BUDGET, at most ``max_group``, at least 1. In row-major
+    order each column block re-reads every row from memory (GPT-OSS-20B's dX GEMM: 17 GB a step)."""
+    return max(1, min(max_group, L2_ROWS_BUDGET // max(row_block_bytes, 1)))
+
+
 def backward_stages(num_stages: int, fp32: bool, fp8_weights: bool = False) -> int:
     """Pipeline stages of a backward GEMM: at most two where a K step's tiles are large, float32
     operands (twice bf16's bytes) or frozen fp8 weights (each step also stages a gathered float32
