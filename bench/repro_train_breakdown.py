@@ -7,10 +7,13 @@ milliseconds, its FLOPs (the registered FLOP formulas, counted by ``FlopCounterM
 TFLOP/s and that rate over the measured bf16 matmul rate; then the sum beside one whole
 forward+backward step and ``torch._grouped_mm``'s step. GPU only:
 ``python bench/repro_train_breakdown.py [--ms 4096] [--shapes qwen3 mixtral deepseek gpt_oss] [--transposed]
-[--interleaved] [--bias] [--activation silu]``."""
+[--interleaved] [--bias] [--activation silu] [--out bench/results/train_breakdown.csv]``."""
 from __future__ import annotations
 
 import argparse
+import csv
+import datetime
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -21,6 +24,7 @@ import tmoe
 from tmoe.kernels.moe_grad_act import grad_block_m
 from tmoe.tools.bench_train import SHAPES, grouped_mm_layer, step_fn
 from tmoe.tools.inputs import make_weights
+from tmoe.tools.results import git_commit
 from tmoe.tools.timing import measure_ceilings
 
 
@@ -34,7 +38,12 @@ def _flops(fn: Callable[[], object]) -> int:
     return counter.get_total_flops()
 
 
-def run_shape(name: str, m: int, rate: float, args: argparse.Namespace) -> None:
+FIELDS = ["date", "gpu", "torch", "triton", "commit", "shape", "E", "N", "K", "topk", "M", "layout", "op", "ms",
+          "tflop", "tflop_s", "fraction_of_mm", "mm_tflop_s"]
+
+
+def run_shape(name: str, m: int, rate: float, args: argparse.Namespace) -> list[list]:
+    """Print the shape's breakdown; its rows (FIELDS from "shape" on) for ``--out``."""
     s = SHAPES[name]
     dev, dt = torch.device("cuda"), torch.bfloat16
     w1, w2 = make_weights(s.e, s.n, s.k, dev)
@@ -69,7 +78,8 @@ def run_shape(name: str, m: int, rate: float, args: argparse.Namespace) -> None:
     layout = [f for f in ("transposed", "interleaved", "bias") if getattr(args, f)]
     print(f"{name} M={m} (E={s.e} N={s.n} K={s.k} topk={s.topk}, align block {block_m}, {act}"
           f"{''.join(', ' + f for f in layout)})", flush=True)
-    total = 0.0
+    total, rows = 0.0, []
+    key = [name, s.e, s.n, s.k, s.topk, m, " ".join([act, *layout])]
     for label, fn in parts.items():
         with torch.no_grad():
             ms, flops = _ms(fn), _flops(fn)
@@ -77,6 +87,7 @@ def run_shape(name: str, m: int, rate: float, args: argparse.Namespace) -> None:
         tflops = flops / ms / 1e9
         print(f"  {label:30s} {ms:8.3f} ms  {flops / 1e12:7.3f} TFLOP  {tflops:6.0f} TFLOP/s  "
               f"{tflops * 1e12 / rate:4.2f} of the mm rate", flush=True)
+        rows.append(key + [label, f"{ms:.3f}", f"{flops / 1e12:.3f}", f"{tflops:.0f}", f"{tflops * 1e12 / rate:.2f}"])
     del grad_h, inter, partial
     leaves = (x, w1, w2, tw) + ((b1, b2) if args.bias else ())
     params = tuple(t.requires_grad_() for t in leaves)  # the same leaves: no second copy of the weights
@@ -84,9 +95,13 @@ def run_shape(name: str, m: int, rate: float, args: argparse.Namespace) -> None:
         x, w1, w2, tw, ids, activation=act, w1_bias=b1, w2_bias=b2, gate_up_interleaved=inter_leaved)
     step = _ms(step_fn(layer, params, go))
     line = f"  sum of the parts {total:.3f} ms; tmoe step {step:.3f} ms"
+    rows.append(key + ["step tmoe", f"{step:.3f}", "", "", ""])
     if not (args.bias or inter_leaved or act != "silu"):  # grouped_mm_layer is the plain silu layer
-        line += f"; grouped_mm step {_ms(step_fn(grouped_mm_layer(ids), params, go)):.3f} ms"
+        peer = _ms(step_fn(grouped_mm_layer(ids), params, go))
+        line += f"; grouped_mm step {peer:.3f} ms"
+        rows.append(key + ["step grouped_mm", f"{peer:.3f}", "", "", ""])
     print(line, flush=True)
+    return rows
 
 
 def main() -> None:
@@ -97,13 +112,24 @@ def main() -> None:
     parser.add_argument("--interleaved", action="store_true", help="gate/up rows alternate (GPT-OSS)")
     parser.add_argument("--bias", action="store_true", help="expert biases (GPT-OSS), their gradients included")
     parser.add_argument("--activation", default="silu", help="the gated activation (GPT-OSS: swigluoai)")
+    parser.add_argument("--out", type=Path, default=None, help="append the rows to this CSV")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = parser.parse_args()
     rate = measure_ceilings(False, trials=3).bf16_flops
     print(f"bf16 matmul rate (best of 3 trials): {rate / 1e12:.0f} TFLOP/s", flush=True)
+    head = [datetime.datetime.now().isoformat(timespec="seconds"), torch.cuda.get_device_name(), torch.__version__,
+            triton.__version__, args.commit or git_commit()]
     for m in args.ms:
         for name in args.shapes:
-            run_shape(name, m, rate, args)
+            rows = run_shape(name, m, rate, args)
             torch.cuda.empty_cache()
+            if args.out:
+                new = not args.out.exists()
+                with args.out.open("a", newline="") as f:
+                    writer = csv.writer(f)
+                    if new:
+                        writer.writerow(FIELDS)
+                    writer.writerows(head + row + [f"{rate / 1e12:.0f}"] for row in rows)
 
 
 if __name__ == "__main__":
