@@ -70,10 +70,10 @@ def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS) -> None:
         if block_m != BLOCK_MS[0] or "weight" not in kernels:
             continue  # the weight GEMMs walk each expert's rows: the align block does not matter
         dw1 = [(t, _time(lambda t=t: moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, e, tokens_left=False,
-                                                      scale_tokens=False, with_bias=False, tiles=t))) for t in WEIGHT]
+                                                      scale_tokens=False, tiles=t))) for t in WEIGHT]
         _best("moe_grad_weight dW1", dw1, WeightTiles(), 2.0 * m * topk * 2 * n * k)
         dw2 = [(t, _time(lambda t=t: moe_grad_weight(go, inter, tw, sorted_ids, offsets, e, tokens_left=True,
-                                                      scale_tokens=False, with_bias=False, tiles=t))) for t in WEIGHT]
+                                                      scale_tokens=False, tiles=t))) for t in WEIGHT]
         _best("moe_grad_weight dW2", dw2, WeightTiles(), 2.0 * m * topk * n * k)
 
 

@@ -69,3 +69,25 @@ def test_two_layer_model_compiles_once(fmt):
         one = torch.randn(1, k, device=DEVICE)  # M=1 may specialise once; it must be right
         assert_close(torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")(one), model(one),
                      torch.float32)
+
+
+def test_compile_cache_keys_carry_the_ops_sources(tmp_path, monkeypatch):
+    """torch.compile's caches key a graph on its forward; the backward the layer op traces (and
+    its ops' schemas) is not in the key. Importing tmoe appends a digest of tmoe/ops' sources to
+    ``torch.compiler.config.cache_key_tag``: once, after a tag the user set, and changed by any edit
+    of those sources, so an upgraded tmoe misses a warm cache instead of replaying stale ops."""
+    import shutil
+
+    from tmoe.ops import cache_tag
+
+    tag = f"tmoe-ops-{cache_tag.ops_digest()}"
+    assert tag in torch.compiler.config.cache_key_tag.split("|")
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "user")
+    assert cache_tag.tag_compile_caches() == tag and cache_tag.tag_compile_caches() == tag
+    assert torch.compiler.config.cache_key_tag == f"user|{tag}"
+    copy = tmp_path / "ops"
+    shutil.copytree(cache_tag.ops_digest.__defaults__[0], copy)
+    assert cache_tag.ops_digest(copy) == cache_tag.ops_digest()
+    with open(copy / "backward.py", "a") as f:
+        f.write("\n")
+    assert cache_tag.ops_digest(copy) != cache_tag.ops_digest()

@@ -193,6 +193,24 @@ def test_frozen_experts_skip_weight_gradients(monkeypatch):
     _check(grads, reference_grads(inputs, grad_out), torch.float32, inputs)
 
 
+def test_frozen_weights_with_trainable_biases_run_no_weight_gemm(monkeypatch):
+    """Frozen w1/w2 with trainable biases (PEFT's ``bias="all"``): the biases get their gradients,
+    sums over the routed rows, and the weight GEMM never runs."""
+    import tmoe.ops.backward as backward_ops
+
+    monkeypatch.setattr(backward_ops, "_grad_weight", lambda *a, **k: pytest.fail("the weight GEMM ran"))
+    case = Case("frozen-biases", m=9, bias=True, activation="swigluoai", routing="out_of_range",
+                options=dict(swiglu_alpha=1.3, swiglu_limit=0.8, gate_up_interleaved=True))
+    inputs = _inputs(case)
+    inputs["w1"].requires_grad_(False)
+    inputs["w2"].requires_grad_(False)
+    options = dict(activation=case.activation, **case.options)
+    grad_out = torch.randn(case.m, case.k, device=DEVICE)
+    grads = layer_grads(tmoe.fused_experts, inputs, grad_out, **options)
+    assert set(grads) == {"hidden_states", "topk_weights", "w1_bias", "w2_bias"}
+    _check(grads, reference_grads(inputs, grad_out, **options), torch.float32, inputs)
+
+
 def test_fused_moe_trains_like_a_reference_module():
     """A few Adam steps of FusedMoE (router included) track the same steps of the float32 reference."""
     torch.manual_seed(3)

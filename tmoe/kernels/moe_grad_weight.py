@@ -12,10 +12,11 @@ One program owns one output tile of one expert and walks that expert's rows in o
 (``expert_offsets`` of the align stage): fp32 accumulation, no atomics, deterministic. Programs
 run expert by expert, each expert's tiles in grouped order, so its rows stay in L2 while its tiles
 read them (expert-minor order re-read every row block once per output row block: GPT-OSS-20B's dW1
-streamed about 17 GB). Rows of
-padding and of slots no local expert computed contribute exactly zero. db is a second, memory-bound
-kernel over the same rows (summed inside the GEMM, its register reduction of the left tile kept
-that operand out of the async-copy pipeline: GPT-OSS-20B's dW1 and dW2 ran 2.7x slower with it).
+streamed about 17 GB). Rows of padding and of slots no local expert computed contribute exactly
+zero. db is its own memory-bound
+kernel over the same rows (``moe_grad_bias``; summed inside the GEMM, its register reduction of the
+left tile kept that operand out of the async-copy pipeline: GPT-OSS-20B's dW1 and dW2 ran 2.7x
+slower with it), so trainable biases of frozen weights cost no weight GEMM.
 """
 from __future__ import annotations
 
@@ -143,10 +144,9 @@ def _moe_grad_bias_kernel(
 def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
     expert_offsets: torch.Tensor, num_local_experts: int, *, tokens_left: bool, scale_tokens: bool,
-    with_bias: bool, weighted_bias: bool = False, expert_map: torch.Tensor | None = None,
-    transposed: bool = False, tiles: WeightTiles = WeightTiles(),
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dW (E_local, P_DIM, Q_DIM), db (E_local, P_DIM) or None) in ``left``'s dtype.
+    expert_map: torch.Tensor | None = None, transposed: bool = False, tiles: WeightTiles = WeightTiles(),
+) -> torch.Tensor:
+    """dW (E_local, P_DIM, Q_DIM) in ``left``'s dtype.
 
     Args:
         left: (rows, P_DIM), right: (rows, Q_DIM): one of them (``tokens_left``: left) a token
@@ -155,8 +155,6 @@ def moe_grad_weight(
             ``scale_tokens``.
         sorted_ids: (P,) int32 and expert_offsets: (E + 1,) int32, from ``moe_align_block_size``.
         num_local_experts: E_local; expert_map: optional (E,) int32 global -> local id (-1 remote).
-        with_bias: also return db[e] = the sum of left's rows of expert e (``weighted_bias``: each
-            times its slot's router weight).
         transposed: dW in the layout of a weight stored transposed, (E_local, Q_DIM, P_DIM) in memory
             and returned as its (E_local, P_DIM, Q_DIM) view, so autograd hands it to the parameter
             without a transposing copy.
@@ -168,9 +166,8 @@ def moe_grad_weight(
         grad_w = make((num_local_experts, q_dim, p_dim), dtype=left.dtype, device=left.device).transpose(1, 2)
     else:
         grad_w = make((num_local_experts, p_dim, q_dim), dtype=left.dtype, device=left.device)
-    grad_b = make((num_local_experts, p_dim), dtype=left.dtype, device=left.device) if with_bias else None
     if num_local_experts == 0 or p_dim == 0 or q_dim == 0:
-        return grad_w, grad_b
+        return grad_w
     fp32 = left.dtype == torch.float32
     launch(_moe_grad_weight_kernel,
            (num_experts * cdiv(p_dim, tiles.block_p) * cdiv(q_dim, tiles.block_q),),
@@ -182,11 +179,29 @@ def moe_grad_weight(
            TOKENS_LEFT=tokens_left, SCALE_TOKENS=scale_tokens, HAS_MAP=expert_map is not None,
            PRECISION="ieee" if fp32 else "tf32", GROUP_P=8, num_warps=tiles.num_warps,
            num_stages=backward_stages(tiles.num_stages, fp32))
-    if grad_b is not None:
-        launch(_moe_grad_bias_kernel, (num_experts, cdiv(p_dim, tiles.block_p)),
-               left, topk_weights, sorted_ids, expert_offsets,
-               expert_map if expert_map is not None else expert_offsets, grad_b,
-               topk_weights.numel(), p_dim, num_local_experts, left.stride(0), left.stride(1), grad_b.stride(0),
-               TOPK=topk_weights.shape[1], BLOCK_P=tiles.block_p, BLOCK_R=tiles.block_r, TOKENS_LEFT=tokens_left,
-               HAS_MAP=expert_map is not None, WEIGHTED=weighted_bias, num_warps=4)
-    return grad_w, grad_b
+    return grad_w
+
+
+BIAS_BLOCK_P, BIAS_BLOCK_R = 128, 64
+
+
+@with_interpreter_fixes
+def moe_grad_bias(
+    left: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_offsets: torch.Tensor,
+    num_local_experts: int, *, tokens_left: bool, weighted: bool, expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """db (E_local, P_DIM) in ``left``'s dtype: db[e] = the sum of left's rows of expert e
+    (``weighted``: each times its slot's router weight), ``left`` and the routing as in ``moe_grad_weight``."""
+    p_dim = left.shape[1]
+    num_experts = expert_offsets.shape[0] - 1
+    make = torch.zeros if expert_map is not None else torch.empty
+    grad_b = make((num_local_experts, p_dim), dtype=left.dtype, device=left.device)
+    if num_local_experts == 0 or p_dim == 0:
+        return grad_b
+    launch(_moe_grad_bias_kernel, (num_experts, cdiv(p_dim, BIAS_BLOCK_P)),
+           left, topk_weights, sorted_ids, expert_offsets,
+           expert_map if expert_map is not None else expert_offsets, grad_b,
+           topk_weights.numel(), p_dim, num_local_experts, left.stride(0), left.stride(1), grad_b.stride(0),
+           TOPK=topk_weights.shape[1], BLOCK_P=BIAS_BLOCK_P, BLOCK_R=BIAS_BLOCK_R, TOKENS_LEFT=tokens_left,
+           HAS_MAP=expert_map is not None, WEIGHTED=weighted, num_warps=4)
+    return grad_b

@@ -119,16 +119,15 @@ def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: b
                   right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor, offsets: torch.Tensor,
                   e_local: int, tokens_left: bool, scale_tokens: bool, weighted_bias: bool,
                   expert_map: torch.Tensor | None, transposed: bool) -> None:
-    """Fill the gradients of ``weight`` and its ``bias`` (if they require grad) with one K-grouped GEMM."""
-    with_bias = has_bias and needs[_INDEX[bias]]
-    if not (needs[_INDEX[weight]] or with_bias):
-        return
-    out = torch.ops.tmoe.moe_grad_weight(left, right, topk_weights, sorted_ids, offsets, e_local, tokens_left,
-                                         scale_tokens, with_bias, weighted_bias, expert_map, transposed)
+    """Fill the gradients of ``weight`` (one K-grouped GEMM) and of its ``bias`` (a sum over the same
+    rows), each only if it requires grad: a frozen weight with a trainable bias runs no GEMM."""
+    tmoe = torch.ops.tmoe
     if needs[_INDEX[weight]]:
-        grads[_INDEX[weight]] = out[0]
-    if with_bias:
-        grads[_INDEX[bias]] = out[1]
+        grads[_INDEX[weight]] = tmoe.moe_grad_weight(left, right, topk_weights, sorted_ids, offsets, e_local,
+                                                     tokens_left, scale_tokens, expert_map, transposed)
+    if has_bias and needs[_INDEX[bias]]:
+        grads[_INDEX[bias]] = tmoe.moe_grad_bias(left, topk_weights, sorted_ids, offsets, e_local, tokens_left,
+                                                 weighted_bias, expert_map)
 
 
 def register_layer_autograd(op: CustomOpDef) -> None:

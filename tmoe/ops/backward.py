@@ -16,7 +16,7 @@ from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.moe_grad_act import grad_act_blocks, moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
-from tmoe.kernels.moe_grad_weight import moe_grad_weight as _grad_weight
+from tmoe.kernels.moe_grad_weight import moe_grad_bias as _grad_bias, moe_grad_weight as _grad_weight
 from tmoe.kernels.operands import BlockScales
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
 from tmoe.modular.distributed import all_gather_rows, reduce_scatter_rows
@@ -105,24 +105,38 @@ def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
 @torch.library.custom_op("tmoe::moe_grad_weight", mutates_args=())
 def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_token_ids: torch.Tensor,
-    expert_offsets: torch.Tensor, num_local_experts: int, tokens_left: bool, scale_tokens: bool, with_bias: bool,
-    weighted_bias: bool, expert_map: torch.Tensor | None, transposed: bool = False,
-) -> list[torch.Tensor]:
-    """[dW (E_local, P_DIM, Q_DIM)] or [dW, db (E_local, P_DIM)]: see ``tmoe.kernels.moe_grad_weight``
-    (``transposed``: dW strided as the transpose of a contiguous (E_local, Q_DIM, P_DIM))."""
-    grad_w, grad_b = _grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
-                                  tokens_left=tokens_left, scale_tokens=scale_tokens, with_bias=with_bias,
-                                  weighted_bias=weighted_bias, expert_map=expert_map, transposed=transposed)
-    return [grad_w] if grad_b is None else [grad_w, grad_b]
+    expert_offsets: torch.Tensor, num_local_experts: int, tokens_left: bool, scale_tokens: bool,
+    expert_map: torch.Tensor | None, transposed: bool = False,
+) -> torch.Tensor:
+    """dW (E_local, P_DIM, Q_DIM): see ``tmoe.kernels.moe_grad_weight`` (``transposed``: strided as
+    the transpose of a contiguous (E_local, Q_DIM, P_DIM))."""
+    return _grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
+                        tokens_left=tokens_left, scale_tokens=scale_tokens, expert_map=expert_map,
+                        transposed=transposed)
 
 
 @moe_grad_weight.register_fake
 def _(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts, tokens_left, scale_tokens,
-      with_bias, weighted_bias, expert_map, transposed=False):
+      expert_map, transposed=False):
     p_dim, q_dim = left.shape[1], right.shape[1]
-    grad_w = (left.new_empty((num_local_experts, q_dim, p_dim)).transpose(1, 2) if transposed
-              else left.new_empty((num_local_experts, p_dim, q_dim)))
-    return [grad_w, left.new_empty((num_local_experts, left.shape[1]))] if with_bias else [grad_w]
+    if transposed:
+        return left.new_empty((num_local_experts, q_dim, p_dim)).transpose(1, 2)
+    return left.new_empty((num_local_experts, p_dim, q_dim))
+
+
+@torch.library.custom_op("tmoe::moe_grad_bias", mutates_args=())
+def moe_grad_bias(
+    left: torch.Tensor, topk_weights: torch.Tensor, sorted_token_ids: torch.Tensor, expert_offsets: torch.Tensor,
+    num_local_experts: int, tokens_left: bool, weighted: bool, expert_map: torch.Tensor | None,
+) -> torch.Tensor:
+    """db (E_local, P_DIM): see ``tmoe.kernels.moe_grad_weight.moe_grad_bias``."""
+    return _grad_bias(left, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
+                      tokens_left=tokens_left, weighted=weighted, expert_map=expert_map)
+
+
+@moe_grad_bias.register_fake
+def _(left, topk_weights, sorted_token_ids, expert_offsets, num_local_experts, tokens_left, weighted, expert_map):
+    return left.new_empty((num_local_experts, left.shape[1]))
 
 
 @torch.library.custom_op("tmoe::topk_route_grad", mutates_args=())
