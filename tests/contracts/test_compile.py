@@ -71,7 +71,7 @@ def test_two_layer_model_compiles_once(fmt):
                      torch.float32)
 
 
-def test_compile_cache_keys_carry_the_ops_sources(tmp_path, monkeypatch):
+def test_compile_cache_keys_carry_the_ops_sources(tmp_path):
     """torch.compile's caches key a graph on its forward; the backward the layer op traces (and
     its ops' schemas) is not in the key. Importing tmoe appends a digest of tmoe/ops' sources to
     ``torch.compiler.config.cache_key_tag``: once, after a tag the user set, and changed by any edit
@@ -82,9 +82,10 @@ def test_compile_cache_keys_carry_the_ops_sources(tmp_path, monkeypatch):
 
     tag = f"tmoe-ops-{cache_tag.ops_digest()}"
     assert tag in torch.compiler.config.cache_key_tag.split("|")
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "user")
-    assert cache_tag.tag_compile_caches() == tag and cache_tag.tag_compile_caches() == tag
-    assert torch.compiler.config.cache_key_tag == f"user|{tag}"
+    with torch.compiler.config.patch(cache_key_tag="user"):  # restored on exit (a monkeypatch would delete it)
+        assert cache_tag.tag_compile_caches() == tag and cache_tag.tag_compile_caches() == tag
+        assert torch.compiler.config.cache_key_tag == f"user|{tag}"
+    assert tag in torch.compiler.config.cache_key_tag.split("|")
     copy = tmp_path / "ops"
     shutil.copytree(cache_tag.ops_digest.__defaults__[0], copy)
     assert cache_tag.ops_digest(copy) == cache_tag.ops_digest()
