@@ -25,10 +25,13 @@ def ops_digest(root: Path = Path(__file__).parent) -> str:
     return sha.hexdigest()[:16]
 
 
-def tag_compile_caches() -> str:
-    """Append ``tmoe-ops-<digest>`` to torch.compile's cache key tag (once); returns the tag."""
+def tag_compile_caches() -> str | None:
+    """Append ``tmoe-ops-<digest>`` to torch.compile's cache key tag (once); returns the tag (None on
+    a torch without the setting)."""
     tag = f"tmoe-ops-{ops_digest()}"
     config = torch.compiler.config
+    if getattr(config, "cache_key_tag", None) is None:
+        return None
     if tag not in config.cache_key_tag.split("|"):
         config.cache_key_tag = f"{config.cache_key_tag}|{tag}" if config.cache_key_tag else tag
     return tag
