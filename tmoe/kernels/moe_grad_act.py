@@ -7,7 +7,8 @@ For slot s (token t, local expert e, router weight w) with the output gradient g
     dh  = (w * g) * act'(h)               (2N)  (apply_router_weight_on_input: g * act'(h))
     dw  = <g, a> + <go, b2[e]>                  the router weight's gradient (on input: <dh, x[t] @ w1[e].T>)
 Each program owns BLOCK_M aligned rows (one expert) and BLOCK_N intermediate columns: one K loop
-feeds the three dots (go @ w2 tile, x @ gate rows, x @ up rows), the epilogue applies the
+feeds the three dots (go @ w2 tile, x @ gate rows, x @ up rows; interleaved gate/up rows: one dot
+over the contiguous [2BN] rows, split after the loop), the epilogue applies the
 activation's derivative. ``dh`` and ``a`` are written in aligned-row order (the order the dX and
 dW GEMMs read them; padding rows are zeros), ``dw`` as one float32 partial per (row, column
 block), summed in a fixed order by ``moe_grad_input``. No atomics: deterministic. Tiles run in
