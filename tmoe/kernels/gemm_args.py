@@ -1,5 +1,6 @@
 """Launch arguments of the expert GEMM kernels: the strides of fp8 scales and low-bit weight scales
-and zero points, the shared-memory fit of a tile config, and the weights' TMA descriptor (operands:
+and zero points, the shared-memory fit of a tile config, the weights' TMA descriptor and storage
+order (operands:
 ``tmoe.kernels.operands``; device queries: ``tmoe.runtime.device``)."""
 from __future__ import annotations
 
@@ -151,6 +152,19 @@ def weight_descriptor(w: torch.Tensor, config: GemmConfig) -> TensorDescriptor |
     if not config.tma or config.swap_ab or w.stride(2) != 1 or w.data_ptr() % 16 or any(st * size % 16 for st in w.stride()[:2]):
         return None
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, config.block_n, config.block_k])
+
+
+def stored_transposed(w: torch.Tensor) -> bool:
+    """A weight (E, rows, cols) read as the transpose of its storage (transformers' GPT-OSS keeps
+    (E, K, 2N)): its rows are the contiguous dimension."""
+    return w.stride(1) == 1 and w.stride(2) != 1
+
+
+def up_in_halves(w1: torch.Tensor, gated: bool, interleaved: bool) -> bool:
+    """Whether the up GEMM reads W1's gate rows and up rows as two contiguous runs (``HALVES``,
+    ``common.w1_columns``): gate rows then up rows, stored transposed (alternating rows would
+    not coalesce along the contiguous dimension)."""
+    return gated and not interleaved and stored_transposed(w1)
 
 
 def uniform_w_scale(scales: Scales | None, n: int, block_n: int, gated: bool) -> bool:

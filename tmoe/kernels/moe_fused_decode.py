@@ -26,7 +26,7 @@ from tmoe.kernels._details.tile_matmul import moe_tile_matmul
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.sizes import cdiv, next_power_of_2
 from tmoe.kernels._details.dequant import b_rows, dequant_dot, weight_k, zero_point_rows
-from tmoe.kernels.gemm_args import fit_shared_memory, scale_args, weight_bytes
+from tmoe.kernels.gemm_args import fit_shared_memory, scale_args, up_in_halves, weight_bytes
 from tmoe.kernels.operands import WeightScales
 from tmoe.runtime.device import shared_memory_budget
 from tmoe.kernels.gemm_config import GemmConfig
@@ -261,7 +261,7 @@ def moe_fused_decode(
         **{**_weight_args(1, w1_scales, x, w1, config, bn * (1 + mul)),  # the two share GROUP_K, QUANT, HAS_ZP
            **_weight_args(2, w2_scales, x, w2, GemmConfig(16, bkd, bn, num_warps=config.num_warps), bkd)},
         TOPK=topk, BLOCK_N=bn, BLOCK_K=bk, BLOCK_KD=bkd, **activation.kernel_args(),
-        HALVES=mul and not activation.interleaved and w1.stride(1) == 1 and w1.stride(2) != 1,  # transposed W1
+        HALVES=up_in_halves(w1, mul, activation.interleaved),
         APPLY_WEIGHTS=topk_weights is not None, WEIGHT_ON_INPUT=weight_on_input,
         HAS_MAP=expert_map is not None, HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
         EVEN_K=k % bk == 0, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

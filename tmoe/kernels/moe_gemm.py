@@ -27,8 +27,8 @@ from tmoe.kernels.sizes import cdiv
 from tmoe.kernels._details.dequant import b_rows, zero_point_rows
 from tmoe.kernels._details.gemm_epilogue import moe_epilogue
 from tmoe.kernels.gemm_args import (
-    fit_shared_memory, fit_low_bit, scale_args, persistent_epilogue_bytes, uniform_w_scale, weight_bytes,
-    weight_descriptor,
+    fit_shared_memory, fit_low_bit, scale_args, persistent_epilogue_bytes, uniform_w_scale, up_in_halves,
+    weight_bytes, weight_descriptor,
 )
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales
 from tmoe.runtime.device import persistent_programs, shared_memory_budget
@@ -266,7 +266,7 @@ def invoke_moe_gemm(
         GATED=gated, **act_args, MUL_ROUTED_WEIGHT=topk_weights is not None,
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, SWAP_AB=config.swap_ab, PERSISTENT=persistent,
-        HALVES=mul and not act_args["INTERLEAVED"] and w.stride(1) == 1 and w.stride(2) != 1,
+        HALVES=up_in_halves(w, mul, act_args["INTERLEAVED"]),
         **route, **scale_args(scales, a, w, config, config.block_n * (1 + mul)), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch._library.custom_ops import CustomOpDef
 
+from tmoe.kernels.gemm_args import stored_transposed
 from tmoe.kernels.moe_grad_act import grad_block_m
 from tmoe.modular.alltoall import kept_slot_ids
 from tmoe.modular.call import LayerArgs
@@ -92,7 +93,7 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     # Each workspace is released once its last reader ran (the peak holds the gradients and grad_h
     # only): dW2 = sum go^T (w a) first (inter holds w a; a alone when the forward scaled the input)
     _weight_grads(grads, needs, "w2", "w2_bias", w2_bias is not None, grad_out, inter, topk_weights, sorted_ids,
-                  offsets, e_local, True, False, not on_input, expert_map, _stored_transposed(w2))
+                  offsets, e_local, True, False, not on_input, expert_map, stored_transposed(w2))
     del inter
     if needs[_INDEX["hidden_states"]] or needs[_INDEX["topk_weights"]]:
         grad_x, grad_w = tmoe.moe_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_ids, expert_ids,
@@ -105,14 +106,8 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     del partial
     # dW1[e] = sum dh^T x (x times the router weight when the forward scaled the input)
     _weight_grads(grads, needs, "w1", "w1_bias", w1_bias is not None, grad_h, x, topk_weights, sorted_ids, offsets,
-                  e_local, False, on_input, False, expert_map, _stored_transposed(w1))
+                  e_local, False, on_input, False, expert_map, stored_transposed(w1))
     return tuple(grads)
-
-
-def _stored_transposed(w: torch.Tensor) -> bool:
-    """A weight read as the transpose of its storage (transformers' GPT-OSS keeps (E, K, 2N)): its
-    gradient is written in that layout, so the parameter takes it without a transposing copy."""
-    return w.stride(1) == 1 and w.stride(2) != 1
 
 
 def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: bool, left: torch.Tensor,
@@ -120,7 +115,9 @@ def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: b
                   e_local: int, tokens_left: bool, scale_tokens: bool, weighted_bias: bool,
                   expert_map: torch.Tensor | None, transposed: bool) -> None:
     """Fill the gradients of ``weight`` (one K-grouped GEMM) and of its ``bias`` (a sum over the same
-    rows), each only if it requires grad: a frozen weight with a trainable bias runs no GEMM."""
+    rows), each only if it requires grad: a frozen weight with a trainable bias runs no GEMM.
+    ``transposed``: the weight is stored transposed, and its gradient is written in that layout, so
+    the parameter takes it without a transposing copy."""
     tmoe = torch.ops.tmoe
     if needs[_INDEX[weight]]:
         grads[_INDEX[weight]] = tmoe.moe_grad_weight(left, right, topk_weights, sorted_ids, offsets, e_local,
