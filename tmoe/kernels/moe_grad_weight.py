@@ -44,6 +44,27 @@ class WeightTiles:
     num_stages: int = 3
 
 
+@triton.jit
+def _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP: tl.constexpr):
+    """(local id int64, first row, end row) of global expert ``e``'s aligned rows; local -1 when
+    another rank owns it (HAS_MAP, mapped outside [0, num_local_experts))."""
+    local = e
+    if HAS_MAP:
+        local = tl.load(expert_map_ptr + e).to(tl.int64)
+        local = tl.where((local < 0) | (local >= num_local_experts), -1, local)
+    return local, tl.load(expert_offsets_ptr + e), tl.load(expert_offsets_ptr + e + 1)
+
+
+@triton.jit
+def _row_block(r0, end, sorted_ids_ptr, num_slots, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
+    """(aligned rows, slots, valid, tokens) [BR] int64 of the row block at ``r0`` (rows at or past
+    ``end`` and padding slots invalid, their token 0)."""
+    rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+    slots = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=num_slots).to(tl.int64)
+    valid = slots < num_slots
+    return rows, slots, valid, tl.where(valid, slots // TOPK, 0)
+
+
 @triton.jit(do_not_specialize=['num_slots'])
 def _moe_grad_weight_kernel(
     left_ptr,  # TOKENS_LEFT: [M, P_DIM] token rows, else [P, P_DIM] aligned rows
@@ -63,23 +84,16 @@ def _moe_grad_weight_kernel(
     num_pid_q = tl.cdiv(Q_DIM, BLOCK_Q)
     e = (tl.program_id(0) // (num_pid_p * num_pid_q)).to(tl.int64)
     pid_p, pid_q = tile_ids(tl.program_id(0) % (num_pid_p * num_pid_q), num_pid_p, num_pid_q, GROUP_P)
-    local = e
-    if HAS_MAP:
-        local = tl.load(expert_map_ptr + e).to(tl.int64)
-        if (local < 0) | (local >= num_local_experts):  # remote: another rank owns its gradient
-            return
-    start = tl.load(expert_offsets_ptr + e)
-    end = tl.load(expert_offsets_ptr + e + 1)
+    local, start, end = _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP)
+    if local < 0:  # remote: another rank owns its gradient
+        return
     offs_p = pid_p.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
     offs_q = pid_q.to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
     mask_p = offs_p < P_DIM
     mask_q = offs_q < Q_DIM
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)  # [BR] aligned rows
-        slots = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=num_slots).to(tl.int64)
-        valid = slots < num_slots
-        tokens = tl.where(valid, slots // TOPK, 0)
+        rows, slots, valid, tokens = _row_block(r0, end, sorted_ids_ptr, num_slots, TOPK, BLOCK_R)  # [BR]
         if TOKENS_LEFT:
             l_rows, r_rows = tokens, rows
         else:
@@ -113,23 +127,17 @@ def _moe_grad_bias_kernel(
 ):
     """db[e, p] = sum of left[r, p] (WEIGHTED: times the row's router weight) over expert e's rows:
     one program per expert and BLOCK_P columns, a [BR, BP] float32 partial summed once at the end."""
-    e = tl.program_id(0).to(tl.int64)
-    local = e
-    if HAS_MAP:
-        local = tl.load(expert_map_ptr + e).to(tl.int64)
-        if (local < 0) | (local >= num_local_experts):
-            return
-    start = tl.load(expert_offsets_ptr + e)
-    end = tl.load(expert_offsets_ptr + e + 1)
+    local, start, end = _expert_rows(tl.program_id(0).to(tl.int64), expert_map_ptr, expert_offsets_ptr,
+                                     num_local_experts, HAS_MAP)
+    if local < 0:
+        return
     offs_p = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
     mask_p = offs_p < P_DIM
     acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)  # [BR] aligned rows
-        slots = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=num_slots).to(tl.int64)
-        valid = slots < num_slots
+        rows, slots, valid, tokens = _row_block(r0, end, sorted_ids_ptr, num_slots, TOPK, BLOCK_R)  # [BR]
         if TOKENS_LEFT:
-            l_rows = tl.where(valid, slots // TOPK, 0)
+            l_rows = tokens
         else:
             l_rows = rows
         lt = tl.load(left_ptr + l_rows[:, None] * stride_lm + offs_p[None, :] * stride_lk,
