@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 import threading
 from typing import Callable, Iterator, TypeVar
@@ -70,8 +71,6 @@ _CMP_OPS = [f"create_icmp{op}" for op in ("SLE", "SLT", "SGE", "SGT", "ULE", "UL
 
 
 def _build_patches() -> list[tuple[object, str, object]]:
-    import inspect
-
     import numpy as np
     import torch
     import triton.language as tl
