@@ -35,13 +35,15 @@ from tmoe.runtime.launch import launch
 
 @dataclass(frozen=True)
 class WeightTiles:
-    """Tiles of ``moe_grad_weight``: a BLOCK_P x BLOCK_Q output tile, BLOCK_R rows a step."""
+    """Tiles of ``moe_grad_weight``: a BLOCK_P x BLOCK_Q output tile, BLOCK_R rows a step; within an
+    expert, ``group_p`` output row blocks sweep the column blocks together (grouped order)."""
 
     block_p: int = 128
     block_q: int = 128
     block_r: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    group_p: int = 8
 
 
 @triton.jit
@@ -185,7 +187,7 @@ def moe_grad_weight(
            left.stride(0), left.stride(1), right.stride(0), right.stride(1), *grad_w.stride(),
            TOPK=topk_weights.shape[1], BLOCK_P=tiles.block_p, BLOCK_Q=tiles.block_q, BLOCK_R=tiles.block_r,
            TOKENS_LEFT=tokens_left, SCALE_TOKENS=scale_tokens, HAS_MAP=expert_map is not None,
-           PRECISION="ieee" if fp32 else "tf32", GROUP_P=8, num_warps=tiles.num_warps,
+           PRECISION="ieee" if fp32 else "tf32", GROUP_P=tiles.group_p, num_warps=tiles.num_warps,
            num_stages=backward_stages(tiles.num_stages, fp32))
     return grad_w
 
