@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -126,7 +127,11 @@ SLOT_ROUTE_MAX_TOKENS = 1
 # low-bit weights lose, so it is opt-in there (docs/routes.md).
 FUSED_TOKENS = (2, 4)
 FUSED_MAX_EXPERT_ELEMENTS = 4 * 1024 * 1024
-ROUTES = ("sorted", "direct", "slots", "fused")
+# Routed rows per local expert (M * topk / E) from which an aligned layer call runs its GEMMs on the
+# grouped core (``moe_grouped_gemm``: expert-sorted rows, both operands by TMA) instead of gathering
+# rows by pointers (docs/routes.md).
+GROUPED_MIN_ROWS_PER_EXPERT = 64
+ROUTES = ("sorted", "direct", "slots", "fused", "grouped")
 
 _ROUTE_OVERRIDE: list[str] = []
 
@@ -138,7 +143,8 @@ def override_route(route: str) -> Iterator[None]:
     no align, one row block per slot, the down GEMM sums each token's slots) or "slots" (no
     align, one row block per slot in both GEMMs, then the top-k reduce) or "fused" (both GEMMs per
     (slot, block of the intermediate) in one kernel, then a reduce; layers with fp8 activations,
-    which it does not run, take "sorted")."""
+    which it does not run, take "sorted") or "grouped" (align, copy the rows into expert-sorted
+    order, both GEMMs on the grouped core; layers whose operands it cannot read take "sorted")."""
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     _ROUTE_OVERRIDE.append(route)
@@ -175,6 +181,32 @@ def use_fused_route(m: int, n: int, k: int, low_bit: bool = False) -> bool:
     if _ROUTE_OVERRIDE:
         return _ROUTE_OVERRIDE[-1] == "fused"
     return not low_bit and FUSED_TOKENS[0] <= m <= FUSED_TOKENS[1] and n * k <= FUSED_MAX_EXPERT_ELEMENTS
+
+
+def use_grouped_route(m: int, topk: int, num_local_experts: int) -> bool:
+    """Whether an aligned layer call of ``m`` tokens runs its GEMMs on the grouped core (where its
+    operands allow: ``TritonExperts``)."""
+    if _ROUTE_OVERRIDE:
+        return _ROUTE_OVERRIDE[-1] == "grouped"
+    return m * topk >= GROUPED_MIN_ROWS_PER_EXPERT * max(num_local_experts, 1)
+
+
+def grouped_config(m: int, e: int, n: int, k: int, topk: int, block_shape: tuple[int, int] | None = None) -> MoEConfig:
+    """Tiles of the grouped core: block_m 128 from 128 routed rows per expert (64 below: padding
+    each expert's run to 128 rows would carry up to twice its rows), block_k 64 (fp8: the scale
+    group, at most 128), persistent, TMA. Under ``override_config``: the forced tiles, made
+    persistent and TMA."""
+    if _OVERRIDE:
+        forced = _OVERRIDE[-1]
+        return MoEConfig(*(replace(g, tma=True, persistent=True, swap_ab=False) for g in (forced.up, forced.down)))
+    bk = min(128, block_shape[1]) if block_shape else 64
+    if m * topk >= 128 * max(e, 1):
+        up = GemmConfig(128, 128, bk, num_warps=8, num_stages=3, tma=True, persistent=True)
+        down = GemmConfig(128, 256, bk, num_warps=8, num_stages=3, tma=True, persistent=True)
+    else:
+        up = GemmConfig(64, 128, bk, num_warps=4, num_stages=4, tma=True, persistent=True)
+        down = GemmConfig(64, 128, bk, num_warps=4, num_stages=4, tma=True, persistent=True)
+    return MoEConfig(up, down)
 
 
 def fused_decode_config(m: int, n: int, k: int, topk: int, device: torch.device) -> GemmConfig:
@@ -222,4 +254,5 @@ def get_config(
 
 __all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",
            "override_config", "override_pdl",
-           "override_route", "read_table", "save_table", "use_direct_route", "use_fused_route", "fused_decode_config"]
+           "override_route", "read_table", "save_table", "use_direct_route", "use_fused_route", "use_grouped_route", "fused_decode_config",
+           "grouped_config"]

@@ -7,14 +7,16 @@ import torch
 
 from tmoe.kernels.checks import positive_int
 from tmoe.config import (
-    GemmConfig, MoEConfig, direct_down_config, fused_decode_config, get_config, use_direct_route, use_fused_route,
-    use_slot_route,
+    GemmConfig, MoEConfig, direct_down_config, fused_decode_config, get_config, grouped_config, use_direct_route,
+    use_fused_route, use_grouped_route, use_slot_route,
 )
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales, operand_scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
+from tmoe.kernels.moe_grouped_gemm import grouped_operands_fit, invoke_grouped_gemm
+from tmoe.kernels.sorted_rows import sorted_rows
 from tmoe.modular.interfaces import ExpertsCall, FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute, Route
 from tmoe.modular.quantize import quantize_activations
 
@@ -164,9 +166,14 @@ class TritonExperts(_TritonExpertsBase):
                    routing=DirectRouting(call.topk_ids, call.num_experts, call.expert_map, 1))
 
     def _sorted(self, output: torch.Tensor, call: ExpertsCall, workspace2: torch.Tensor) -> None:
-        """Align the slots by expert, then both GEMMs over the sorted slots (output (M, topk, K))."""
-        cfg = self._layer_config(call)
+        """Align the slots by expert, then both GEMMs over the sorted slots (output (M, topk, K)):
+        on the grouped core where the call is large enough and its operands allow, else with
+        pointer-gathered rows."""
         m, topk = call.topk_ids.shape
+        if use_grouped_route(m, topk, call.w1.shape[0]) and self._grouped_fits(call):
+            self._grouped(output, call, workspace2)
+            return
+        cfg = self._layer_config(call)
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
             call.topk_ids, cfg.block_m, call.num_experts, call.expert_map, num_local_experts=call.w1.shape[0]
         )
@@ -175,6 +182,57 @@ class TritonExperts(_TritonExpertsBase):
                                   topk_weights=self._input_weights(call))
         self._down(call, a2q, a2q_scale, output.view(m * topk, -1), cfg.down,
                    routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1))
+
+
+    def _grouped_fits(self, call: ExpertsCall) -> bool:
+        """The grouped core reads both operands of both GEMMs by TMA: float or fp8 weights with K
+        contiguous (not interleaved), rows whose bytes are multiples of 16, no expert map (the
+        pointer route writes remote slots' zeros)."""
+        qc, x = self.quant_config, call.hidden_states
+        rows_fit = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], call.n))
+        return (call.expert_map is None and qc.weight_dtype is None and rows_fit
+                and grouped_operands_fit(call.w1, call.activation.interleaved) and grouped_operands_fit(call.w2))
+
+    def _grouped(self, output: torch.Tensor, call: ExpertsCall, workspace2: torch.Tensor) -> None:
+        """Align with the grouped core's block_m, copy the rows (and fp8 scales) into sorted order,
+        then both GEMMs on the grouped core: the intermediate (``workspace2``'s dtype unless the
+        epilogue quantizes it) stays in sorted order, the down GEMM writes each slot's row of
+        ``output`` (M, topk, K)."""
+        x = call.hidden_states
+        (m, k), topk, n = x.shape, call.topk_ids.shape[1], call.n
+        cfg = self._grouped_config(call)
+        sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
+            call.topk_ids, cfg.block_m, call.num_experts, num_local_experts=call.w1.shape[0])
+        em = sorted_ids.shape[0]
+        up_rows = Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk)
+        a_scale = call.a1q_scale
+        x_sorted = torch.empty((em, k), dtype=x.dtype, device=x.device)
+        if a_scale is not None and a_scale.numel() > 1:  # per token or per block: sorted with the rows
+            a_scale_rows = a_scale.reshape(m, -1)
+            a_scale = torch.empty((em, a_scale_rows.shape[1]), dtype=torch.float32, device=x.device)
+            sorted_rows(x, up_rows, x_sorted, a_scale_rows, a_scale)
+        else:
+            sorted_rows(x, up_rows, x_sorted)
+        scales = self._scales(a_scale, call.w1_scale)
+        group = self._fused_quant_group(n, cfg.up.block_n, call.a2_scale)
+        gemm = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias,
+                    topk_weights=self._input_weights(call))
+        if group is not None:
+            inter = torch.empty((em, n), dtype=self.quant_config.quant_dtype, device=x.device)
+            inter_scale = torch.empty((em, n // group), dtype=torch.float32, device=x.device)
+            invoke_grouped_gemm(x_sorted, call.w1, inter, cfg.up, up_rows, out_scale=inter_scale, **gemm)
+            a2q, a2q_scale = inter, inter_scale
+        else:
+            inter = torch.empty((em, n), dtype=workspace2.dtype, device=x.device)
+            invoke_grouped_gemm(x_sorted, call.w1, inter, cfg.up, up_rows, **gemm)
+            a2q, a2q_scale = quantize_activations(inter, self.quant_config, call.a2_scale)
+        invoke_grouped_gemm(a2q, call.w2, output.view(m * topk, -1), cfg.down,
+                            Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1), gated=False,
+                            scales=self._scales(a2q_scale, call.w2_scale), bias=call.w2_bias)
+
+    def _grouped_config(self, call: ExpertsCall) -> MoEConfig:
+        m, k = call.hidden_states.shape
+        return grouped_config(m, call.w1.shape[0], call.n, k, call.topk_ids.shape[1], self.quant_config.block_shape)
 
 
 class BatchedTritonExperts(_TritonExpertsBase):

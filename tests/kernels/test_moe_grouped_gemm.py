@@ -1,0 +1,140 @@
+"""The grouped-GEMM core (``moe_grouped_gemm``: expert-sorted rows from ``sorted_rows``, both
+operands by TMA, persistent programs; four under the interpreter) against the float32 reference:
+the whole layer on the "grouped" route (tails, skew, empty experts, M = 0 and 1, fp8 schemes,
+biases, activations, router weight on the input), the kernels alone with poisoned outputs, the
+operands it cannot read falling back to the pointer route, and the route's token threshold."""
+import pytest
+import torch
+
+import tmoe
+import tmoe.modular.experts as experts_module
+from tmoe.config import GROUPED_MIN_ROWS_PER_EXPERT, GemmConfig, MoEConfig, grouped_config, override_config
+from tmoe.config import use_grouped_route
+from tmoe.kernels.align import moe_align_block_size
+from tmoe.kernels.moe_grouped_gemm import grouped_operands_fit, invoke_grouped_gemm
+from tmoe.kernels.operands import Routing
+from tmoe.kernels.sorted_rows import sorted_rows
+from tmoe.reference import act_and_mul_reference, moe_reference
+from tmoe.testing import assert_close
+from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem
+from tests.layer.test_fp8_layer import SCHEMES, run_scheme
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tiles(bm: int, up_bn: int, down_bn: int, bk: int, group_m: int = 2) -> MoEConfig:
+    def cfg(bn: int) -> GemmConfig:
+        return GemmConfig(bm, bn, bk, group_m=group_m, tma=True, persistent=True)
+
+    return MoEConfig(cfg(up_bn), cfg(down_bn))
+
+
+@pytest.fixture
+def grouped_calls(monkeypatch):
+    """The number of grouped-core launches made so far (the test fails if the route fell back unseen)."""
+    calls = []
+    launch = experts_module.invoke_grouped_gemm
+    monkeypatch.setattr(experts_module, "invoke_grouped_gemm", lambda *a, **kw: (calls.append(1), launch(*a, **kw))[1])
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, routing, cfg", [
+    (MoEShape(40, 8, 64, 64, 2), "skewed", (16, 32, 32, 32)),  # more tiles than programs
+    (MoEShape(33, 8, 96, 80, 2), "empty_experts", (16, 64, 32, 32, 3)),  # N, K tails; partial tile groups
+    (MoEShape(1, 4, 64, 64, 2), "uniform", (32, 32, 64, 32)),  # M=1: padding rows, fewer tiles than programs
+    (MoEShape(0, 4, 64, 64, 2), "uniform", (16, 32, 32, 32)),  # M=0
+    (MoEShape(45, 4, 64, 128, 3), "out_of_range", (16, 32, 64, 64)),  # ids outside [0, E) add zero
+], ids=str)
+def test_grouped_layer_matches_reference(shape, routing, cfg, dtype, grouped_calls):
+    p = make_problem(shape, dtype, routing, seed=shape.m + 1, device=DEVICE)
+    with tmoe.override_route("grouped"), override_config(tiles(*cfg)):
+        out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), dtype)
+    assert len(grouped_calls) == (2 if shape.m else 0)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.name)
+def test_grouped_fp8(scheme, grouped_calls):
+    """Per-tensor (dynamic, static), per-token/per-channel and 128 x 128 block scales; the
+    activation scales are sorted with the rows, block scales' intermediate quantized in the epilogue."""
+    p = make_problem(MoEShape(37, 4, 256, 256, 2), torch.bfloat16, "skewed", seed=37, device=DEVICE)
+    with tmoe.override_route("grouped"), override_config(tiles(16, 128, 128, 128)):
+        out, ref = run_scheme(p, scheme)
+    assert_close(out, ref, "fp8")
+    assert len(grouped_calls) == 2
+
+
+@pytest.mark.parametrize("activation", ["swigluoai", "gelu", "silu_no_mul"])
+def test_grouped_biases_activations_and_input_weights(activation, grouped_calls):
+    """Biases of both GEMMs, gated and non-gated activations, the router weight applied to the
+    input by the up GEMM (top-1, as vLLM requires)."""
+    p = make_problem(MoEShape(29, 8, 64, 64, 1), torch.bfloat16, "uniform", seed=5, device=DEVICE)
+    g = torch.Generator().manual_seed(6)
+    w1 = p.w1 if not activation.endswith("no_mul") else p.w1[:, :64].contiguous()
+    b1 = torch.randn(w1.shape[:2], generator=g).to(DEVICE, torch.bfloat16)
+    b2 = torch.randn(p.w2.shape[:2], generator=g).to(DEVICE, torch.bfloat16)
+    kw = dict(activation=activation, w1_bias=b1, w2_bias=b2, apply_router_weight_on_input=True)
+    with tmoe.override_route("grouped"), override_config(tiles(16, 32, 32, 32)):
+        out = tmoe.fused_experts(p.x, w1, p.w2, p.topk_weights, p.topk_ids, **kw)
+    assert_close(out, moe_reference(p.x, w1, p.w2, p.topk_weights, p.topk_ids, **kw), torch.bfloat16)
+    assert len(grouped_calls) == 2
+
+
+def test_grouped_kernels_write_exactly_their_rows():
+    """Poisoned outputs: the up GEMM writes every sorted row of a real slot (and leaves padding rows
+    and rows past the real count alone), the down GEMM every routed slot's row."""
+    m, e, n, k, topk, bm = 21, 4, 64, 96, 2, 16
+    p = make_problem(MoEShape(m, e, n, k, topk), torch.float32, "skewed", seed=11, device=DEVICE)
+    cfg = tiles(bm, 32, 32, 32)
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(p.topk_ids, bm, e)
+    up_rows = Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk)
+    em = sorted_ids.shape[0]
+    x_sorted = torch.full((em, k), float("nan"), device=DEVICE)
+    sorted_rows(p.x, up_rows, x_sorted)
+    rows = int(num_post_padded[0])
+    slots = sorted_ids[:rows].long()
+    real = slots < m * topk
+    assert torch.equal(x_sorted[:rows][real], p.x[slots[real] // topk]) and not x_sorted[:rows][~real].any()
+    inter = torch.full((em, n), float("nan"), device=DEVICE)
+    invoke_grouped_gemm(x_sorted, p.w1, inter, cfg.up, up_rows, gated=True)
+    h = torch.einsum("rk,rnk->rn", p.x[slots[real] // topk].double(), p.w1[expert_ids.long().repeat_interleave(bm)[:rows][real]].double())
+    assert_close(inter[:rows][real], act_and_mul_reference(h[:, :n], h[:, n:], "silu"), torch.float32)
+    assert inter[:rows][~real].isnan().all() and inter[rows:].isnan().all()
+    out = torch.full((m * topk, k), float("nan"), device=DEVICE)
+    invoke_grouped_gemm(inter, p.w2, out, cfg.down, Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1),
+                        gated=False)
+    y = torch.einsum("rn,rkn->rk", inter[:rows][real].double(),
+                     p.w2[expert_ids.long().repeat_interleave(bm)[:rows][real]].double())
+    assert_close(out[slots[real]], y, torch.float32)
+    assert not out.isnan().any()  # every slot is routed to a local expert
+
+
+def test_grouped_falls_back_where_operands_do_not_fit(grouped_calls):
+    """An expert map (remote slots), interleaved gate/up rows and weights stored transposed take the
+    pointer route, with the same results."""
+    p = make_problem(MoEShape(29, 8, 64, 64, 2), torch.bfloat16, "uniform", seed=9, device=DEVICE)
+    w1, w2, kwargs = half_remote_swigluoai(p, DEVICE)
+    w1t = p.w1.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not grouped_operands_fit(w1t) and not grouped_operands_fit(p.w1, interleaved=True)
+    cases = [(w1, w2, kwargs), (p.w1, p.w2, dict(activation="swigluoai", gate_up_interleaved=True)), (w1t, p.w2, {})]
+    for a, b, kw in cases:
+        with tmoe.override_route("grouped"), override_config(tiles(16, 32, 32, 32)):
+            out = tmoe.fused_experts(p.x, a, b, p.topk_weights, p.topk_ids, **kw)
+        assert_close(out, moe_reference(p.x, a, b, p.topk_weights, p.topk_ids, **kw), torch.bfloat16)
+    assert grouped_calls == []
+
+
+def test_grouped_route_threshold_and_tiles():
+    """The default route takes the grouped core from GROUPED_MIN_ROWS_PER_EXPERT routed rows per
+    local expert; its tiles: block_m 128 from 128 rows per expert, persistent and TMA."""
+    e, topk = 8, 2
+    m = GROUPED_MIN_ROWS_PER_EXPERT * e // topk
+    assert use_grouped_route(m, topk, e) and not use_grouped_route(m - 1, topk, e)
+    with tmoe.override_route("sorted"):
+        assert not use_grouped_route(m, topk, e)
+    with tmoe.override_route("grouped"):
+        assert use_grouped_route(1, topk, e)
+    small, large = grouped_config(m, e, 256, 512, topk), grouped_config(128 * e // topk, e, 256, 512, topk)
+    assert small.block_m == 64 and large.block_m == 128
+    assert all(c.tma and c.persistent for c in (small.up, small.down, large.up, large.down))
