@@ -8,14 +8,14 @@ import torch
 
 import tmoe
 import tmoe.modular.experts as experts_module
-from tmoe.config import GROUPED_MIN_ROWS_PER_EXPERT, GemmConfig, MoEConfig, grouped_config, override_config
+from tmoe.config import GROUPED_MIN_N, GROUPED_MIN_ROWS_PER_EXPERT, GemmConfig, MoEConfig, grouped_config, override_config
 from tmoe.config import use_grouped_route
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.moe_grouped_gemm import grouped_operands_fit, invoke_grouped_gemm
 from tmoe.kernels.operands import Routing
 from tmoe.kernels.sorted_rows import sorted_rows
 from tmoe.reference import act_and_mul_reference, moe_reference
-from tmoe.testing import assert_close
+from tmoe.testing import assert_close, capture_cuda_graph
 from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem
 from tests.layer.test_fp8_layer import SCHEMES, run_scheme
 
@@ -127,14 +127,42 @@ def test_grouped_falls_back_where_operands_do_not_fit(grouped_calls):
 
 def test_grouped_route_threshold_and_tiles():
     """The default route takes the grouped core from GROUPED_MIN_ROWS_PER_EXPERT routed rows per
-    local expert; its tiles: block_m 128 from 128 rows per expert, persistent and TMA."""
-    e, topk = 8, 2
+    local expert and intermediate size GROUPED_MIN_N, unquantized activations only; its tiles are
+    persistent and TMA, block_k the fp8 block group."""
+    e, topk, n = 8, 2, GROUPED_MIN_N
     m = GROUPED_MIN_ROWS_PER_EXPERT * e // topk
-    assert use_grouped_route(m, topk, e) and not use_grouped_route(m - 1, topk, e)
+    assert use_grouped_route(m, topk, e, n, False)
+    assert not use_grouped_route(m - 1, topk, e, n, False)
+    assert not use_grouped_route(m, topk, e, n // 2, False) and not use_grouped_route(m, topk, e, n, True)
     with tmoe.override_route("sorted"):
-        assert not use_grouped_route(m, topk, e)
+        assert not use_grouped_route(m, topk, e, n, False)
     with tmoe.override_route("grouped"):
-        assert use_grouped_route(1, topk, e)
-    small, large = grouped_config(m, e, 256, 512, topk), grouped_config(128 * e // topk, e, 256, 512, topk)
-    assert small.block_m == 64 and large.block_m == 128
-    assert all(c.tma and c.persistent for c in (small.up, small.down, large.up, large.down))
+        assert use_grouped_route(1, topk, e, 64, True)
+    cfg = grouped_config()
+    assert cfg.block_m == 128 and all(c.tma and c.persistent for c in (cfg.up, cfg.down))
+    assert grouped_config((128, 128)).up.block_k == 128
+    with override_config(tiles(16, 32, 64, 32)):
+        assert grouped_config() == tiles(16, 32, 64, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and compile on the GPU")
+def test_grouped_default_route_compiles_and_replays(grouped_calls):
+    """At a size the default route sends to the grouped core: eager, torch.compile(fullgraph=True)
+    and a CUDA-graph replay on new inputs all match the reference."""
+    e, n, k, topk, m = 8, 1024, 512, 2, 1024
+    p = make_problem(MoEShape(m, e, n, k, topk), torch.bfloat16, "uniform", seed=3, device="cuda")
+    args = (p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    ref = moe_reference(*args)
+    assert_close(tmoe.fused_experts(*args), ref, torch.bfloat16)
+    assert len(grouped_calls) == 2
+    compiled = torch.compile(tmoe.fused_experts, fullgraph=True)
+    assert_close(compiled(*args), ref, torch.bfloat16)
+    static = [t.clone() for t in args]
+    graph, out = capture_cuda_graph(lambda: tmoe.fused_experts(*static))
+    q = make_problem(MoEShape(m, e, n, k, topk), torch.bfloat16, "skewed", seed=4, device="cuda")
+    for dst, src in zip(static, (q.x, q.w1, q.w2, q.topk_weights, q.topk_ids)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    graph.replay()
+    assert_close(out, moe_reference(q.x, q.w1, q.w2, q.topk_weights, q.topk_ids), torch.bfloat16)

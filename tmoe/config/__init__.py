@@ -127,10 +127,13 @@ SLOT_ROUTE_MAX_TOKENS = 1
 # low-bit weights lose, so it is opt-in there (docs/routes.md).
 FUSED_TOKENS = (2, 4)
 FUSED_MAX_EXPERT_ELEMENTS = 4 * 1024 * 1024
-# Routed rows per local expert (M * topk / E) from which an aligned layer call runs its GEMMs on the
-# grouped core (``moe_grouped_gemm``: expert-sorted rows, both operands by TMA) instead of gathering
-# rows by pointers (docs/routes.md).
-GROUPED_MIN_ROWS_PER_EXPERT = 64
+# An aligned layer call runs its GEMMs on the grouped core (``moe_grouped_gemm``: expert-sorted rows,
+# both operands by TMA) instead of gathering rows by pointers from this many routed rows per local
+# expert (M * topk / E) and this intermediate size N, with unquantized activations (docs/routes.md:
+# copying the rows into sorted order costs about 160 / N of the GEMMs' time, so N = 768 loses; fp8
+# GEMMs on the core measured slower).
+GROUPED_MIN_ROWS_PER_EXPERT = 128
+GROUPED_MIN_N = 1024
 ROUTES = ("sorted", "direct", "slots", "fused", "grouped")
 
 _ROUTE_OVERRIDE: list[str] = []
@@ -183,30 +186,27 @@ def use_fused_route(m: int, n: int, k: int, low_bit: bool = False) -> bool:
     return not low_bit and FUSED_TOKENS[0] <= m <= FUSED_TOKENS[1] and n * k <= FUSED_MAX_EXPERT_ELEMENTS
 
 
-def use_grouped_route(m: int, topk: int, num_local_experts: int) -> bool:
-    """Whether an aligned layer call of ``m`` tokens runs its GEMMs on the grouped core (where its
-    operands allow: ``TritonExperts``)."""
+def use_grouped_route(m: int, topk: int, num_local_experts: int, n: int, quantized: bool) -> bool:
+    """Whether an aligned layer call of ``m`` tokens, intermediate size ``n``, ``quantized`` (fp8)
+    activations or not, runs its GEMMs on the grouped core (where its operands allow: ``TritonExperts``)."""
     if _ROUTE_OVERRIDE:
         return _ROUTE_OVERRIDE[-1] == "grouped"
-    return m * topk >= GROUPED_MIN_ROWS_PER_EXPERT * max(num_local_experts, 1)
+    return (not quantized and n >= GROUPED_MIN_N
+            and m * topk >= GROUPED_MIN_ROWS_PER_EXPERT * max(num_local_experts, 1))
 
 
-def grouped_config(m: int, e: int, n: int, k: int, topk: int, block_shape: tuple[int, int] | None = None) -> MoEConfig:
-    """Tiles of the grouped core: block_m 128 from 128 routed rows per expert (64 below: padding
-    each expert's run to 128 rows would carry up to twice its rows), block_k 64 (fp8: the scale
-    group, at most 128), persistent, TMA. Under ``override_config``: the forced tiles, made
-    persistent and TMA."""
+def grouped_config(block_shape: tuple[int, int] | None = None) -> MoEConfig:
+    """Tiles of the grouped core, as measured fastest on H100 at M = 1024-16384 (Mixtral, Qwen3,
+    DeepSeek-V3 shapes): block_m 128 (64 was slower everywhere, though DeepSeek-V3 at M=4096 then
+    pads 1.43x fewer rows), the up GEMM two 128 x 128 tiles (gate, up) with 8 warps and 3 stages,
+    the down GEMM 128 x 256 with 8 warps and 3 stages, block_k 64 (fp8 block scales: the group, at
+    most 128). Under ``override_config``: the forced tiles, made persistent and TMA."""
     if _OVERRIDE:
         forced = _OVERRIDE[-1]
         return MoEConfig(*(replace(g, tma=True, persistent=True, swap_ab=False) for g in (forced.up, forced.down)))
     bk = min(128, block_shape[1]) if block_shape else 64
-    if m * topk >= 128 * max(e, 1):
-        up = GemmConfig(128, 128, bk, num_warps=8, num_stages=3, tma=True, persistent=True)
-        down = GemmConfig(128, 256, bk, num_warps=8, num_stages=3, tma=True, persistent=True)
-    else:
-        up = GemmConfig(64, 128, bk, num_warps=4, num_stages=4, tma=True, persistent=True)
-        down = GemmConfig(64, 128, bk, num_warps=4, num_stages=4, tma=True, persistent=True)
-    return MoEConfig(up, down)
+    return MoEConfig(GemmConfig(128, 128, bk, num_warps=8, num_stages=3, tma=True, persistent=True),
+                     GemmConfig(128, 256, bk, num_warps=8, num_stages=3, tma=True, persistent=True))
 
 
 def fused_decode_config(m: int, n: int, k: int, topk: int, device: torch.device) -> GemmConfig:

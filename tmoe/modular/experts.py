@@ -170,7 +170,8 @@ class TritonExperts(_TritonExpertsBase):
         on the grouped core where the call is large enough and its operands allow, else with
         pointer-gathered rows."""
         m, topk = call.topk_ids.shape
-        if use_grouped_route(m, topk, call.w1.shape[0]) and self._grouped_fits(call):
+        quantized = self.quant_config.quant_dtype is not None
+        if use_grouped_route(m, topk, call.w1.shape[0], call.n, quantized) and self._grouped_fits(call):
             self._grouped(output, call, workspace2)
             return
         cfg = self._layer_config(call)
@@ -200,7 +201,7 @@ class TritonExperts(_TritonExpertsBase):
         ``output`` (M, topk, K)."""
         x = call.hidden_states
         (m, k), topk, n = x.shape, call.topk_ids.shape[1], call.n
-        cfg = self._grouped_config(call)
+        cfg = grouped_config(self.quant_config.block_shape)
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
             call.topk_ids, cfg.block_m, call.num_experts, num_local_experts=call.w1.shape[0])
         em = sorted_ids.shape[0]
@@ -229,10 +230,6 @@ class TritonExperts(_TritonExpertsBase):
         invoke_grouped_gemm(a2q, call.w2, output.view(m * topk, -1), cfg.down,
                             Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1), gated=False,
                             scales=self._scales(a2q_scale, call.w2_scale), bias=call.w2_bias)
-
-    def _grouped_config(self, call: ExpertsCall) -> MoEConfig:
-        m, k = call.hidden_states.shape
-        return grouped_config(m, call.w1.shape[0], call.n, k, call.topk_ids.shape[1], self.quant_config.block_shape)
 
 
 class BatchedTritonExperts(_TritonExpertsBase):
