@@ -92,11 +92,12 @@ def shipped_swap_tiles():
     return tiles
 
 
-@pytest.fixture(params=["sorted", "direct", "slots", "fused"])
+@pytest.fixture(params=["sorted", "direct", "slots", "fused", "grouped"])
 def route(request):
     """Run the test under each Standard-format path: aligned, decode (no align, the down GEMM
-    sums each token's slots), slots (no align, both GEMMs per slot) and fused (both GEMMs per slot
-    and intermediate block in one kernel, then a reduce; fp8 layers take "sorted" there); M alone
+    sums each token's slots), slots (no align, both GEMMs per slot), fused (both GEMMs per slot
+    and intermediate block in one kernel, then a reduce; fp8 layers take "sorted" there) and grouped
+    (expert-sorted rows, both operands by TMA; operands it cannot read take "sorted"); M alone
     would pick one."""
     yield from _forced_route(request.param)
 

@@ -6,6 +6,7 @@ import tmoe
 import tmoe.kernels.moe_down_reduce
 import tmoe.kernels.moe_fused_decode
 import tmoe.kernels.moe_gemm
+import tmoe.kernels.moe_grouped_gemm
 from tmoe.kernels.gemm_args import fit_shared_memory
 from tmoe.runtime.device import EPILOGUE_MARGIN, SHARED_MEMORY_BUDGET, shared_memory_budget
 from tmoe.reference import moe_reference
@@ -40,7 +41,8 @@ def test_layer_with_a_small_shared_memory_budget(dtype, route, monkeypatch):
         fitted.append((_staged_bytes(out, elem_size, gated, weight_size), budget))
         return out
 
-    for module in (tmoe.kernels.moe_gemm, tmoe.kernels.moe_down_reduce, tmoe.kernels.moe_fused_decode):
+    for module in (tmoe.kernels.moe_gemm, tmoe.kernels.moe_down_reduce, tmoe.kernels.moe_fused_decode,
+                   tmoe.kernels.moe_grouped_gemm):
         monkeypatch.setattr(module, "shared_memory_budget", lambda device: budget)
         monkeypatch.setattr(module, "fit_shared_memory", spy)
     p = make_problem(MoEShape(21, 4, 128, 128, 2), dtype, "uniform", seed=4, device=DEVICE)
@@ -64,7 +66,8 @@ def test_low_bit_layer_with_a_small_shared_memory_budget(route, monkeypatch):
         fitted.append((_staged_bytes(out, elem_size, gated, weight_size), budget, weight_size))
         return out
 
-    for module in (tmoe.kernels.moe_gemm, tmoe.kernels.moe_down_reduce, tmoe.kernels.moe_fused_decode):
+    for module in (tmoe.kernels.moe_gemm, tmoe.kernels.moe_down_reduce, tmoe.kernels.moe_fused_decode,
+                   tmoe.kernels.moe_grouped_gemm):
         monkeypatch.setattr(module, "shared_memory_budget", lambda device: budget)
         monkeypatch.setattr(module, "fit_shared_memory", spy)
     p = make_problem(MoEShape(21, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=4, device=DEVICE)

@@ -17,12 +17,12 @@ KERNELS = (
     "_batched_dispatch_kernel "
     "_moe_down_reduce_kernel _moe_fused_decode_kernel _moe_gemm_kernel _moe_grad_act_kernel _moe_grad_bias_kernel "
     "_moe_grad_input_kernel "
-    "_moe_grad_weight_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
-    "_per_token_quant_fp8_kernel _static_quant_fp8_kernel _topk_route_grad_kernel _topk_route_kernel _zero_kernel"
+    "_grouped_gemm_kernel _moe_grad_weight_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
+    "_per_token_quant_fp8_kernel _sorted_rows_kernel _static_quant_fp8_kernel _topk_route_grad_kernel _topk_route_kernel _zero_kernel"
 ).split()
 
 # launched with launch_pdl and compiled with gdc_wait / gdc_launch_dependents under override_pdl(True)
-PDL_KERNELS = sorted(set(KERNELS) - {"_batched_dispatch_kernel", "_topk_route_kernel", "_zero_kernel", "_moe_grad_act_kernel",
+PDL_KERNELS = sorted(set(KERNELS) - {"_batched_dispatch_kernel", "_sorted_rows_kernel", "_topk_route_kernel", "_zero_kernel", "_moe_grad_act_kernel",
                                       "_moe_grad_bias_kernel", "_moe_grad_input_kernel", "_moe_grad_weight_kernel",
                                       "_topk_route_grad_kernel"})
 
@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent("""
     p = make_problem(MoEShape(9, 4, 128, 256, 2), torch.bfloat16, "uniform", seed=0)
     fp8 = dict(quant_config=tmoe.FusedMoEQuantConfig(FP8, block_shape=(128, 128)),
                w1_scale=torch.ones(4, 2, 2), w2_scale=torch.ones(4, 2, 1))
-    for route in ("sorted", "direct", "fused"):
+    for route in ("sorted", "direct", "fused", "grouped"):  # grouped: persistent and TMA whatever the config
         for tma, persistent in ((False, False), (True, False), (True, True)):
             cfg = tmoe.GemmConfig(64, 128, 128, tma=tma, persistent=persistent)
             with tmoe.override_route(route), tmoe.override_config(tmoe.MoEConfig(cfg, cfg)):
@@ -162,7 +162,7 @@ SCRIPT = textwrap.dedent("""
     compiled.clear()
     persistent = tmoe.GemmConfig(64, 128, 128, tma=True, persistent=True)
     with tmoe.override_pdl(True):
-        for route in ("sorted", "direct", "fused"):
+        for route in ("sorted", "direct", "fused", "grouped"):
             with tmoe.override_route(route):
                 tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
                 tmoe.fused_experts(p.x, p.w1.to(FP8), p.w2.to(FP8), p.topk_weights, p.topk_ids, **fp8)

@@ -253,6 +253,5 @@ def get_config(
 
 
 __all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",
-           "override_config", "override_pdl",
-           "override_route", "read_table", "save_table", "use_direct_route", "use_fused_route", "use_grouped_route", "fused_decode_config",
-           "grouped_config"]
+           "grouped_config", "override_config", "override_pdl", "override_route", "read_table", "save_table",
+           "use_direct_route", "use_fused_route", "use_grouped_route", "fused_decode_config"]

@@ -184,13 +184,12 @@ class TritonExperts(_TritonExpertsBase):
         self._down(call, a2q, a2q_scale, output.view(m * topk, -1), cfg.down,
                    routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1))
 
-
     def _grouped_fits(self, call: ExpertsCall) -> bool:
         """The grouped core reads both operands of both GEMMs by TMA: float or fp8 weights with K
-        contiguous (not interleaved), rows whose bytes are multiples of 16, no expert map (the
-        pointer route writes remote slots' zeros)."""
+        contiguous (not interleaved), contiguous rows whose bytes are multiples of 16, no expert map
+        (the pointer route writes remote slots' zeros)."""
         qc, x = self.quant_config, call.hidden_states
-        rows_fit = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], call.n))
+        rows_fit = x.stride(1) == 1 and all(d * x.element_size() % 16 == 0 for d in (x.shape[1], call.n))
         return (call.expert_map is None and qc.weight_dtype is None and rows_fit
                 and grouped_operands_fit(call.w1, call.activation.interleaved) and grouped_operands_fit(call.w2))
 

@@ -167,8 +167,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="minimum timed graph rounds")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time (ms)")
     p.add_argument("--routes", default="auto",
-                   help="comma list of auto,sorted,direct,slots,fused: tmoe by token count, or forced to its aligned, "
-                        "decode, per-slot or fused decode path (rows tmoe[sorted], tmoe[direct], ...)")
+                   help="comma list of auto,sorted,direct,slots,fused,grouped: tmoe by token count, or forced to its aligned, "
+                        "decode, per-slot, fused decode or grouped-core path (rows tmoe[sorted], tmoe[direct], ...)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
     shapes, names = args.shapes.split(","), tuple(args.providers.split(","))
