@@ -8,6 +8,7 @@ import tmoe.kernels.moe_fused_decode
 import tmoe.kernels.moe_gemm
 import tmoe.kernels.moe_grouped_gemm
 from tmoe.kernels.gemm_args import fit_shared_memory
+from tmoe.runtime.state import clear_launch_caches
 from tmoe.runtime.device import EPILOGUE_MARGIN, SHARED_MEMORY_BUDGET, shared_memory_budget
 from tmoe.reference import moe_reference
 from tmoe.testing import assert_close
@@ -45,6 +46,7 @@ def test_layer_with_a_small_shared_memory_budget(dtype, route, monkeypatch):
                    tmoe.kernels.moe_grouped_gemm):
         monkeypatch.setattr(module, "shared_memory_budget", lambda device: budget)
         monkeypatch.setattr(module, "fit_shared_memory", spy)
+    clear_launch_caches()  # a plan from an earlier test of this signature would skip the launcher bodies
     p = make_problem(MoEShape(21, 4, 128, 128, 2), dtype, "uniform", seed=4, device=DEVICE)
     big = tmoe.GemmConfig(16, 128, 128, num_stages=4)
     with tmoe.override_config(tmoe.MoEConfig(big, big, direct_down=big)):
@@ -70,6 +72,7 @@ def test_low_bit_layer_with_a_small_shared_memory_budget(route, monkeypatch):
                    tmoe.kernels.moe_grouped_gemm):
         monkeypatch.setattr(module, "shared_memory_budget", lambda device: budget)
         monkeypatch.setattr(module, "fit_shared_memory", spy)
+    clear_launch_caches()  # a plan from an earlier test of this signature would skip the launcher bodies
     p = make_problem(MoEShape(21, 4, 128, 128, 2), torch.bfloat16, "uniform", seed=4, device=DEVICE)
     (q1, s1, z1), (q2, s2, z2) = (tmoe.quantize_weight_int4(w, 32) for w in (p.w1, p.w2))
     big = tmoe.GemmConfig(16, 128, 128, num_stages=4)
