@@ -15,6 +15,7 @@ from tmoe.kernels.moe_grouped_gemm import grouped_operands_fit, invoke_grouped_g
 from tmoe.kernels.operands import Routing
 from tmoe.kernels.sorted_rows import sorted_rows
 from tmoe.reference import act_and_mul_reference, moe_reference
+from tmoe.runtime.state import clear_launch_caches
 from tmoe.testing import assert_close, capture_cuda_graph
 from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem
 from tests.layer.test_fp8_layer import SCHEMES, run_scheme
@@ -127,8 +128,8 @@ def test_grouped_falls_back_where_operands_do_not_fit(grouped_calls):
 
 def test_grouped_route_threshold_and_tiles():
     """The default route takes the grouped core from GROUPED_MIN_ROWS_PER_EXPERT routed rows per
-    local expert and intermediate size GROUPED_MIN_N, unquantized activations only; its tiles are
-    persistent and TMA, block_k the fp8 block group."""
+    local expert and intermediate size GROUPED_MIN_N, except for fp8 block scales; its tiles are
+    persistent and TMA, block_k 64 (fp8: 128, block scales: the group)."""
     e, topk, n = 8, 2, GROUPED_MIN_N
     m = GROUPED_MIN_ROWS_PER_EXPERT * e // topk
     assert use_grouped_route(m, topk, e, n, False)
@@ -139,10 +140,42 @@ def test_grouped_route_threshold_and_tiles():
     with tmoe.override_route("grouped"):
         assert use_grouped_route(1, topk, e, 64, True)
     cfg = grouped_config()
-    assert cfg.block_m == 128 and all(c.tma and c.persistent for c in (cfg.up, cfg.down))
-    assert grouped_config((128, 128)).up.block_k == 128
+    assert cfg.block_m == 128 and cfg.up.block_k == 64 and all(c.tma and c.persistent for c in (cfg.up, cfg.down))
+    assert grouped_config(fp8=True).up.block_k == 128 and grouped_config((128, 64), fp8=True).down.block_k == 64
     with override_config(tiles(16, 32, 64, 32)):
         assert grouped_config() == tiles(16, 32, 64, 32)
+
+
+@pytest.mark.parametrize("scheme", [None, *[s for s in SCHEMES if s.name in ("token", "block")]],
+                         ids=lambda s: "bf16" if s is None else s.name)
+def test_default_route_at_the_threshold(scheme, grouped_calls):
+    """Unforced, a call at the thresholds (lowered to 16 rows per expert and N = 128 here, so the
+    interpreter runs it quickly) runs on the grouped core in bf16 and fp8 per-token, on the aligned
+    route with fp8 block scales, and on the aligned route once N is below the threshold; each
+    matches its reference. Launch plans are kept per call signature, so they are cleared whenever
+    the thresholds change (as ``tmoe.config`` says)."""
+    e, topk = 4, 2
+    p = make_problem(MoEShape(16 * e // topk, e, 128, 128, topk), torch.bfloat16, "uniform", seed=12, device=DEVICE)
+    try:
+        with pytest.MonkeyPatch.context() as lowered:
+            lowered.setattr(tmoe.config, "GROUPED_MIN_ROWS_PER_EXPERT", 16)
+            lowered.setattr(tmoe.config, "GROUPED_MIN_N", 128)
+            clear_launch_caches()
+            if scheme is None:
+                out, tol = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), torch.bfloat16
+                ref = moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+            else:
+                (out, ref), tol = run_scheme(p, scheme), "fp8"
+            assert_close(out, ref, tol)
+            assert len(grouped_calls) == (0 if scheme is not None and scheme.name == "block" else 2)
+            lowered.setattr(tmoe.config, "GROUPED_MIN_N", 256)
+            clear_launch_caches()
+            grouped_calls.clear()
+            out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+            assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), torch.bfloat16)
+            assert grouped_calls == []
+    finally:
+        clear_launch_caches()
 
 
 @pytest.mark.gpu

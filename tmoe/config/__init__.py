@@ -129,9 +129,10 @@ FUSED_TOKENS = (2, 4)
 FUSED_MAX_EXPERT_ELEMENTS = 4 * 1024 * 1024
 # An aligned layer call runs its GEMMs on the grouped core (``moe_grouped_gemm``: expert-sorted rows,
 # both operands by TMA) instead of gathering rows by pointers from this many routed rows per local
-# expert (M * topk / E) and this intermediate size N, with unquantized activations (docs/routes.md:
-# copying the rows into sorted order costs about 160 / N of the GEMMs' time, so N = 768 loses; fp8
-# GEMMs on the core measured slower).
+# expert (M * topk / E) and this intermediate size N, unless its fp8 activations have block scales
+# (docs/routes.md: copying the rows into sorted order costs about 160 / N of the GEMMs' time, so
+# N = 768 loses; the block-scale GEMMs measured slower on the core). Read when a call signature is
+# first planned: after changing them, ``tmoe.runtime.state.clear_launch_caches()``.
 GROUPED_MIN_ROWS_PER_EXPERT = 128
 GROUPED_MIN_N = 1024
 ROUTES = ("sorted", "direct", "slots", "fused", "grouped")
@@ -186,25 +187,27 @@ def use_fused_route(m: int, n: int, k: int, low_bit: bool = False) -> bool:
     return not low_bit and FUSED_TOKENS[0] <= m <= FUSED_TOKENS[1] and n * k <= FUSED_MAX_EXPERT_ELEMENTS
 
 
-def use_grouped_route(m: int, topk: int, num_local_experts: int, n: int, quantized: bool) -> bool:
-    """Whether an aligned layer call of ``m`` tokens, intermediate size ``n``, ``quantized`` (fp8)
-    activations or not, runs its GEMMs on the grouped core (where its operands allow: ``TritonExperts``)."""
+def use_grouped_route(m: int, topk: int, num_local_experts: int, n: int, block_scales: bool) -> bool:
+    """Whether an aligned layer call of ``m`` tokens and intermediate size ``n`` runs its GEMMs on the
+    grouped core (where its operands allow: ``TritonExperts``); ``block_scales``: fp8 activations
+    with block scales, which keep the aligned route."""
     if _ROUTE_OVERRIDE:
         return _ROUTE_OVERRIDE[-1] == "grouped"
-    return (not quantized and n >= GROUPED_MIN_N
+    return (not block_scales and n >= GROUPED_MIN_N
             and m * topk >= GROUPED_MIN_ROWS_PER_EXPERT * max(num_local_experts, 1))
 
 
-def grouped_config(block_shape: tuple[int, int] | None = None) -> MoEConfig:
+def grouped_config(block_shape: tuple[int, int] | None = None, fp8: bool = False) -> MoEConfig:
     """Tiles of the grouped core, as measured fastest on H100 at M = 1024-16384 (Mixtral, Qwen3,
     DeepSeek-V3 shapes): block_m 128 (64 was slower everywhere, though DeepSeek-V3 at M=4096 then
     pads 1.43x fewer rows), the up GEMM two 128 x 128 tiles (gate, up) with 8 warps and 3 stages,
-    the down GEMM 128 x 256 with 8 warps and 3 stages, block_k 64 (fp8 block scales: the group, at
-    most 128). Under ``override_config``: the forced tiles, made persistent and TMA."""
+    the down GEMM 128 x 256 with 8 warps and 3 stages, block_k 64; ``fp8`` operands 128 (the same
+    bytes per K step; 64 made per-token fp8 Mixtral 1.27x slower), block scales the group, at most
+    128. Under ``override_config``: the forced tiles, made persistent and TMA."""
     if _OVERRIDE:
         forced = _OVERRIDE[-1]
         return MoEConfig(*(replace(g, tma=True, persistent=True, swap_ab=False) for g in (forced.up, forced.down)))
-    bk = min(128, block_shape[1]) if block_shape else 64
+    bk = min(128, block_shape[1]) if block_shape else 128 if fp8 else 64
     return MoEConfig(GemmConfig(128, 128, bk, num_warps=8, num_stages=3, tma=True, persistent=True),
                      GemmConfig(128, 256, bk, num_warps=8, num_stages=3, tma=True, persistent=True))
 

@@ -170,8 +170,8 @@ class TritonExperts(_TritonExpertsBase):
         on the grouped core where the call is large enough and its operands allow, else with
         pointer-gathered rows."""
         m, topk = call.topk_ids.shape
-        quantized = self.quant_config.quant_dtype is not None
-        if use_grouped_route(m, topk, call.w1.shape[0], call.n, quantized) and self._grouped_fits(call):
+        block_scales = self.quant_config.scheme == "block"
+        if use_grouped_route(m, topk, call.w1.shape[0], call.n, block_scales) and self._grouped_fits(call):
             self._grouped(output, call, workspace2)
             return
         cfg = self._layer_config(call)
@@ -200,7 +200,8 @@ class TritonExperts(_TritonExpertsBase):
         ``output`` (M, topk, K)."""
         x = call.hidden_states
         (m, k), topk, n = x.shape, call.topk_ids.shape[1], call.n
-        cfg = grouped_config(self.quant_config.block_shape)
+        qc = self.quant_config
+        cfg = grouped_config(qc.block_shape, fp8=qc.quant_dtype is not None)
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
             call.topk_ids, cfg.block_m, call.num_experts, num_local_experts=call.w1.shape[0])
         em = sorted_ids.shape[0]
