@@ -96,7 +96,7 @@ def _moe_gemm_kernel(
                 a_rows = (slots // a_row_div)  # [BM]
                 a_ptrs = a_ptr + a_rows[:, None] * stride_am + tl.arange(0, BLOCK_K)[None, :] * stride_ak  # [BM, BK]
                 acc, up = moe_tile_matmul_tma(
-                    a_ptrs, w_ptr, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
+                    a_ptrs, w_ptr, 0, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
                     a_scale_ptr + a_rows * stride_asm, w_scale_ptr + expert * stride_wse,
                     K, stride_ak, stride_ask, stride_wsn, stride_wsk,
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, EVEN_K, PRECISION,
@@ -148,7 +148,7 @@ def _moe_gemm_kernel(
         a_ptrs = a_ptr + a_rows[:, None] + offs_k[None, :] * stride_ak  # [BM, BK]
         if W_DESC:  # gate rows n, up rows N + n of W1 as two TMA tiles (INTERLEAVED: the launcher uses pointers)
             acc, up = moe_tile_matmul_tma(
-                a_ptrs, w_ptr, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
+                a_ptrs, w_ptr, 0, mask_m, expert.to(tl.int32), pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
                 a_scale_ptr + scale_rows, w_scale_ptr + expert * stride_wse,
                 K, stride_ak, stride_ask, stride_wsn, stride_wsk,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, EVEN_K, PRECISION,

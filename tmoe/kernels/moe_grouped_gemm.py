@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.gemm_epilogue import moe_epilogue
-from tmoe.kernels._details.tile_matmul import grouped_tile_matmul, tile_ids
+from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.activation import NO_ACTIVATION_ARGS, Activation
 from tmoe.kernels.gemm_args import (
     fit_shared_memory, persistent_epilogue_bytes, scale_args, uniform_w_scale, weight_descriptor,
@@ -66,11 +66,12 @@ def _grouped_gemm_kernel(
         pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
         expert = tl.load(expert_ids_ptr + pid_m)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] sorted rows
-        acc, up = grouped_tile_matmul(
-            a_desc, w_desc, pid_m * BLOCK_M, expert, pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
+        every_row = tl.full((BLOCK_M,), 1, tl.int1)  # the sorted rows (and their scales) are all addressable
+        acc, up = moe_tile_matmul_tma(
+            a_desc, w_desc, pid_m * BLOCK_M, every_row, expert, pid_n * BLOCK_N, N + pid_n * BLOCK_N, N * (1 + MUL),
             a_scale_ptr + rows * stride_asm, w_scale_ptr + expert.to(tl.int64) * stride_wse,
-            K, stride_ask, stride_wsn, stride_wsk,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, PRECISION,
+            K, 0, stride_ask, stride_wsn, stride_wsk,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, GROUP_K, QUANT, MUL, UNIFORM_W_SCALE, True, PRECISION, A_DESC=True,
         )  # [BM, BN] float32 each (up: MUL only)
         slots = tl.load(sorted_ids_ptr + rows).to(tl.int64)  # [BM]
         mask_m = slots < num_slots

@@ -99,8 +99,9 @@ def moe_tile_matmul(
 
 @triton.jit
 def moe_tile_matmul_tma(
-    a_ptrs,  # [BM, BK] pointers at k = 0
+    a_src,  # [BM, BK] pointers at k = 0; A_DESC: TMA descriptor of A [EM, K] (expert-sorted rows), block [BM, BK]
     w_desc,  # TMA descriptor of W [E, N_w, K], block [1, BN, BK]; rows or K past the end read zero
+    row_0,  # A_DESC: the tile's first row of A
     mask_m,  # [BM] valid rows
     expert,  # int32 expert index of W
     col_0,  # first W row of the first tile
@@ -123,9 +124,11 @@ def moe_tile_matmul_tma(
     UNIFORM_W_SCALE: tl.constexpr,
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    A_DESC: tl.constexpr = False,
 ):
     """float32 ([BM, BN], [BM, BN]) = A[rows, :K] @ W[expert, col:col + BN, :K]^T for col = col_0
-    and, TWO_TILES (the gate and up halves of W1), col_1; W is read by TMA, A by pointers.
+    and, TWO_TILES (the gate and up halves of W1), col_1; W is read by TMA, A by pointers or, A_DESC
+    (the grouped core: the tile's rows are one expert's run of sorted rows), by TMA too.
     Dequantized as moe_tile_matmul; UNIFORM_W_SCALE (block quantization, each tile inside one
     GROUP_N group of W rows) loads one weight scale per tile and K group."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -141,10 +144,12 @@ def moe_tile_matmul_tma(
         ws_0 = w_scale_ptr + (rows_0 // GROUP_N) * stride_wsn  # [BN]
         ws_1 = w_scale_ptr + (rows_1 // GROUP_N) * stride_wsn
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+        if A_DESC:
+            a = a_src.load([row_0, k * BLOCK_K])
+        elif EVEN_K:
+            a = tl.load(a_src, mask=mask_m[:, None], other=0.0)
         else:
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k * BLOCK_K), other=0.0)
+            a = tl.load(a_src, mask=mask_m[:, None] & (offs_k[None, :] < K - k * BLOCK_K), other=0.0)
         b_0 = w_desc.load([expert, col_0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T  # [BK, BN]
         if TWO_TILES:
             b_1 = w_desc.load([expert, col_1, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
@@ -165,7 +170,8 @@ def moe_tile_matmul_tma(
             acc_0 = tl.dot(a, b_0, acc_0, input_precision=PRECISION)
             if TWO_TILES:
                 acc_1 = tl.dot(a, b_1, acc_1, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
+        if not A_DESC:
+            a_src += BLOCK_K * stride_ak
     if QUANT == "scaled":
         a_s = tl.load(a_scale_ptrs, mask=mask_m, other=0.0)
         acc_0 = acc_0 * a_s[:, None] * tl.load(w_scale_ptr + rows_0 * stride_wsn, mask=rows_0 < n_w, other=0.0)[None, :]
@@ -173,71 +179,3 @@ def moe_tile_matmul_tma(
             acc_1 = acc_1 * a_s[:, None] * tl.load(w_scale_ptr + rows_1 * stride_wsn, mask=rows_1 < n_w, other=0.0)[None, :]
     return acc_0, acc_1
 
-
-@triton.jit
-def grouped_tile_matmul(
-    a_desc,  # TMA descriptor of A [EM, K] (expert-sorted rows), block [BM, BK]; K past the end reads zero
-    w_desc,  # TMA descriptor of W [E, N_w, K], block [1, BN, BK]; rows or K past the end read zero
-    row_0,  # first row of A of the tile
-    expert,  # int32 expert index of W
-    col_0,  # first W row of the first tile
-    col_1,  # first W row of the second tile (TWO_TILES)
-    n_w,  # rows of W per expert
-    a_scale_ptrs,  # [BM] pointers to the tile rows' activation scales (QUANT)
-    w_scale_ptr,  # this expert's weight scales
-    K,
-    stride_ask,
-    stride_wsn,
-    stride_wsk,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_N: tl.constexpr,
-    GROUP_K: tl.constexpr,
-    QUANT: tl.constexpr,
-    TWO_TILES: tl.constexpr,
-    UNIFORM_W_SCALE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """float32 ([BM, BN], [BM, BN]) = A[row_0:row_0 + BM, :K] @ W[expert, col:col + BN, :K]^T for
-    col = col_0 and, TWO_TILES, col_1: both operands by TMA (A's rows are one expert's, in sorted
-    order). QUANT "none", "scaled" or "block" as ``moe_tile_matmul_tma``."""
-    offs_bn = tl.arange(0, BLOCK_N)
-    acc_0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    rows_0 = col_0 + offs_bn  # [BN]
-    rows_1 = col_1 + offs_bn
-    if UNIFORM_W_SCALE:
-        ws_0 = w_scale_ptr + (col_0 // GROUP_N) * stride_wsn
-        ws_1 = w_scale_ptr + (col_1 // GROUP_N) * stride_wsn
-    else:
-        ws_0 = w_scale_ptr + (rows_0 // GROUP_N) * stride_wsn  # [BN]
-        ws_1 = w_scale_ptr + (rows_1 // GROUP_N) * stride_wsn
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        a = a_desc.load([row_0, k * BLOCK_K])  # [BM, BK]
-        b_0 = w_desc.load([expert, col_0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T  # [BK, BN]
-        if TWO_TILES:
-            b_1 = w_desc.load([expert, col_1, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-        if QUANT == "block":
-            k_group = (k * BLOCK_K) // GROUP_K
-            a_s = tl.load(a_scale_ptrs + k_group * stride_ask)  # [BM]
-            if UNIFORM_W_SCALE:
-                acc_0 += tl.dot(a, b_0, input_precision=PRECISION) * (a_s * tl.load(ws_0 + k_group * stride_wsk))[:, None]
-                if TWO_TILES:
-                    acc_1 += tl.dot(a, b_1, input_precision=PRECISION) * (a_s * tl.load(ws_1 + k_group * stride_wsk))[:, None]
-            else:
-                s_0 = tl.load(ws_0 + k_group * stride_wsk, mask=rows_0 < n_w, other=0.0)
-                acc_0 += tl.dot(a, b_0, input_precision=PRECISION) * a_s[:, None] * s_0[None, :]
-                if TWO_TILES:
-                    s_1 = tl.load(ws_1 + k_group * stride_wsk, mask=rows_1 < n_w, other=0.0)
-                    acc_1 += tl.dot(a, b_1, input_precision=PRECISION) * a_s[:, None] * s_1[None, :]
-        else:
-            acc_0 = tl.dot(a, b_0, acc_0, input_precision=PRECISION)
-            if TWO_TILES:
-                acc_1 = tl.dot(a, b_1, acc_1, input_precision=PRECISION)
-    if QUANT == "scaled":
-        a_s = tl.load(a_scale_ptrs)
-        acc_0 = acc_0 * a_s[:, None] * tl.load(w_scale_ptr + rows_0 * stride_wsn, mask=rows_0 < n_w, other=0.0)[None, :]
-        if TWO_TILES:
-            acc_1 = acc_1 * a_s[:, None] * tl.load(w_scale_ptr + rows_1 * stride_wsn, mask=rows_1 < n_w, other=0.0)[None, :]
-    return acc_0, acc_1
