@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -44,29 +45,31 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         g = qc.block_shape[1]
         return g if n % g == 0 and up_block_n % g == 0 else None
 
-    def _up(self, call: ExpertsCall, shape: tuple[int, ...], workspace2: torch.Tensor, up_cfg: GemmConfig,
+    def _up(self, call: ExpertsCall, x: torch.Tensor, a_scale: torch.Tensor | None, inter: torch.Tensor,
+            up_cfg: GemmConfig, gemm: Callable[..., torch.Tensor] = invoke_moe_gemm,
             **route) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The up/gate GEMM (``route``: its routing keywords) into an intermediate of ``shape``;
-        returns it quantized for the down GEMM (fused into the epilogue when the tiles allow) and
-        its scales."""
-        x, n = call.hidden_states, shape[-1]
-        scales = self._scales(call.a1q_scale, call.w1_scale, call.w1_zp)
-        gemm = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias, **route)
+        """The up/gate GEMM of ``x`` (activation scales ``a_scale``) by ``gemm`` (``route``: its
+        routing keywords) into ``inter`` (..., N), the intermediate in the activation dtype; returns
+        it quantized for the down GEMM (fused into the epilogue when the tiles allow, then ``inter``
+        is not written) and its scales."""
+        n = inter.shape[-1]
+        scales = self._scales(a_scale, call.w1_scale, call.w1_zp)
+        kw = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias, **route)
         group = self._fused_quant_group(n, up_cfg.block_n, call.a2_scale)
         if group is not None:
-            inter = torch.empty(shape, dtype=self.quant_config.quant_dtype, device=x.device)
-            inter_scale = torch.empty((*shape[:-1], n // group), dtype=torch.float32, device=x.device)
-            invoke_moe_gemm(x, call.w1, inter, up_cfg, out_scale=inter_scale, **gemm)
-            return inter, inter_scale
-        inter = workspace2.view(shape)
-        invoke_moe_gemm(x, call.w1, inter, up_cfg, **gemm)
+            inter_q = torch.empty(inter.shape, dtype=self.quant_config.quant_dtype, device=x.device)
+            inter_scale = torch.empty((*inter.shape[:-1], n // group), dtype=torch.float32, device=x.device)
+            gemm(x, call.w1, inter_q, up_cfg, out_scale=inter_scale, **kw)
+            return inter_q, inter_scale
+        gemm(x, call.w1, inter, up_cfg, **kw)
         return quantize_activations(inter, self.quant_config, call.a2_scale)
 
     def _down(self, call: ExpertsCall, a2q: torch.Tensor, a2q_scale: torch.Tensor | None, out: torch.Tensor,
-              down_cfg: GemmConfig, **route) -> None:
-        """The down GEMM of the quantized intermediate into ``out`` (``route``: its routing keywords)."""
+              down_cfg: GemmConfig, gemm: Callable[..., torch.Tensor] = invoke_moe_gemm, **route) -> None:
+        """The down GEMM of the quantized intermediate into ``out`` by ``gemm`` (``route``: its
+        routing keywords)."""
         scales = self._scales(a2q_scale, call.w2_scale, call.w2_zp)
-        invoke_moe_gemm(a2q, call.w2, out, down_cfg, gated=False, scales=scales, bias=call.w2_bias, **route)
+        gemm(a2q, call.w2, out, down_cfg, gated=False, scales=scales, bias=call.w2_bias, **route)
 
     def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device) -> MoEConfig:
         qc = self.quant_config
@@ -142,7 +145,8 @@ class TritonExperts(_TritonExpertsBase):
     def _slot_up(self, call: ExpertsCall, cfg: MoEConfig, workspace2: torch.Tensor):
         """The up GEMM with no align: slot s is row block s."""
         m, topk = call.topk_ids.shape
-        return self._up(call, (m * topk, call.n), workspace2, replace(cfg.up, block_m=16),
+        return self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(m * topk, call.n),
+                        replace(cfg.up, block_m=16),
                         routing=DirectRouting(call.topk_ids, call.num_experts, call.expert_map, topk),
                         topk_weights=self._input_weights(call))
 
@@ -178,7 +182,7 @@ class TritonExperts(_TritonExpertsBase):
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
             call.topk_ids, cfg.block_m, call.num_experts, call.expert_map, num_local_experts=call.w1.shape[0]
         )
-        a2q, a2q_scale = self._up(call, (m * topk, call.n), workspace2, cfg.up,
+        a2q, a2q_scale = self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(m * topk, call.n), cfg.up,
                                   routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk),
                                   topk_weights=self._input_weights(call))
         self._down(call, a2q, a2q_scale, output.view(m * topk, -1), cfg.down,
@@ -214,22 +218,11 @@ class TritonExperts(_TritonExpertsBase):
             sorted_rows(x, up_rows, x_sorted, a_scale_rows, a_scale)
         else:
             sorted_rows(x, up_rows, x_sorted)
-        scales = self._scales(a_scale, call.w1_scale)
-        group = self._fused_quant_group(n, cfg.up.block_n, call.a2_scale)
-        gemm = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias,
-                    topk_weights=self._input_weights(call))
-        if group is not None:
-            inter = torch.empty((em, n), dtype=self.quant_config.quant_dtype, device=x.device)
-            inter_scale = torch.empty((em, n // group), dtype=torch.float32, device=x.device)
-            invoke_grouped_gemm(x_sorted, call.w1, inter, cfg.up, up_rows, out_scale=inter_scale, **gemm)
-            a2q, a2q_scale = inter, inter_scale
-        else:
-            inter = torch.empty((em, n), dtype=workspace2.dtype, device=x.device)
-            invoke_grouped_gemm(x_sorted, call.w1, inter, cfg.up, up_rows, **gemm)
-            a2q, a2q_scale = quantize_activations(inter, self.quant_config, call.a2_scale)
-        invoke_grouped_gemm(a2q, call.w2, output.view(m * topk, -1), cfg.down,
-                            Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1), gated=False,
-                            scales=self._scales(a2q_scale, call.w2_scale), bias=call.w2_bias)
+        inter = torch.empty((em, n), dtype=workspace2.dtype, device=x.device)
+        a2q, a2q_scale = self._up(call, x_sorted, a_scale, inter, cfg.up, invoke_grouped_gemm, routing=up_rows,
+                                  topk_weights=self._input_weights(call))
+        self._down(call, a2q, a2q_scale, output.view(m * topk, -1), cfg.down, invoke_grouped_gemm,
+                   routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1))
 
 
 class BatchedTritonExperts(_TritonExpertsBase):
@@ -266,5 +259,6 @@ class BatchedTritonExperts(_TritonExpertsBase):
         e, cap, k = call.hidden_states.shape
         cfg = self._config(cap, e, call.n, k, 1, call.hidden_states.device)
         counts = call.expert_num_tokens
-        a2q, a2q_scale = self._up(call, (e, cap, call.n), workspace2, cfg.up, expert_num_tokens=counts)
+        a2q, a2q_scale = self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(e, cap, call.n), cfg.up,
+                                  expert_num_tokens=counts)
         self._down(call, a2q, a2q_scale, output, cfg.down, expert_num_tokens=counts)
