@@ -144,12 +144,18 @@ def persistent_epilogue_bytes(config: GemmConfig, out_elem_size: int) -> int:
     return max(0, config.block_m * config.block_n * out_elem_size - EPILOGUE_MARGIN)
 
 
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can address ``t``: last dimension contiguous, base and every other
+    stride 16-byte aligned."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in t.stride()[:-1])
+
+
 def weight_descriptor(w: torch.Tensor, config: GemmConfig) -> TensorDescriptor | None:
     """A TMA descriptor of ``w`` (E, N_w, K) with block [1, block_n, block_k] when ``config.tma``
     asks for one (and no ``swap_ab``, a pointer-path option) and TMA can address ``w`` (K contiguous,
     16-byte aligned base and strides); None means pointer loads."""
-    size = w.element_size()
-    if not config.tma or config.swap_ab or w.stride(2) != 1 or w.data_ptr() % 16 or any(st * size % 16 for st in w.stride()[:2]):
+    if not config.tma or config.swap_ab or not tma_addressable(w):
         return None
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, config.block_n, config.block_k])
 

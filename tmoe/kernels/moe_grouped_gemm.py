@@ -23,7 +23,7 @@ from tmoe.kernels._details.gemm_epilogue import moe_epilogue
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.activation import NO_ACTIVATION_ARGS, Activation
 from tmoe.kernels.gemm_args import (
-    fit_shared_memory, persistent_epilogue_bytes, scale_args, uniform_w_scale, weight_descriptor,
+    fit_shared_memory, persistent_epilogue_bytes, scale_args, tma_addressable, uniform_w_scale, weight_descriptor,
 )
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.moe_gemm import fused_quant_group
@@ -89,11 +89,9 @@ def _grouped_gemm_kernel(
 
 
 def grouped_operands_fit(w: torch.Tensor, interleaved: bool = False) -> bool:
-    """Whether the grouped core can read ``w`` (E, N_w, K): float or fp8 values with K contiguous and
-    16-byte aligned base and strides (TMA), gate and up halves not interleaved."""
-    size = w.element_size()
-    return (not interleaved and w.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
-            and w.stride(2) == 1 and w.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in w.stride()[:2]))
+    """Whether the grouped core can read weights ``w`` (E, N_w, K) (float or fp8; the caller rules
+    out low-bit codes): TMA can address them (K contiguous), gate and up halves not interleaved."""
+    return not interleaved and tma_addressable(w)
 
 
 def rows_descriptor(a: torch.Tensor, config: GemmConfig) -> TensorDescriptor:
