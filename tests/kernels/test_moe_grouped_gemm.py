@@ -8,7 +8,7 @@ import torch
 
 import tmoe
 import tmoe.modular.experts as experts_module
-from tmoe.config import GROUPED_MIN_N, GROUPED_MIN_ROWS_PER_EXPERT, GemmConfig, MoEConfig, grouped_config, override_config
+from tmoe.config import GROUPED_MIN_N, GROUPED_MIN_ROWS_PER_EXPERT, grouped_config, override_config
 from tmoe.config import use_grouped_route
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.moe_grouped_gemm import grouped_operands_fit, invoke_grouped_gemm
@@ -18,16 +18,10 @@ from tmoe.reference import act_and_mul_reference, moe_reference
 from tmoe.runtime.state import clear_launch_caches
 from tmoe.testing import assert_close, capture_cuda_graph
 from tmoe.testing.strategies import MoEShape, half_remote_swigluoai, make_problem
+from tests.kernels.test_moe_gemm_persistent import persistent_config
 from tests.layer.test_fp8_layer import SCHEMES, run_scheme
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def tiles(bm: int, up_bn: int, down_bn: int, bk: int, group_m: int = 2) -> MoEConfig:
-    def cfg(bn: int) -> GemmConfig:
-        return GemmConfig(bm, bn, bk, group_m=group_m, tma=True, persistent=True)
-
-    return MoEConfig(cfg(up_bn), cfg(down_bn))
 
 
 @pytest.fixture
@@ -49,7 +43,7 @@ def grouped_calls(monkeypatch):
 ], ids=str)
 def test_grouped_layer_matches_reference(shape, routing, cfg, dtype, grouped_calls):
     p = make_problem(shape, dtype, routing, seed=shape.m + 1, device=DEVICE)
-    with tmoe.override_route("grouped"), override_config(tiles(*cfg)):
+    with tmoe.override_route("grouped"), override_config(persistent_config(*cfg)):
         out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
     assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), dtype)
     assert len(grouped_calls) == (2 if shape.m else 0)
@@ -60,7 +54,7 @@ def test_grouped_fp8(scheme, grouped_calls):
     """Per-tensor (dynamic, static), per-token/per-channel and 128 x 128 block scales; the
     activation scales are sorted with the rows, block scales' intermediate quantized in the epilogue."""
     p = make_problem(MoEShape(37, 4, 256, 256, 2), torch.bfloat16, "skewed", seed=37, device=DEVICE)
-    with tmoe.override_route("grouped"), override_config(tiles(16, 128, 128, 128)):
+    with tmoe.override_route("grouped"), override_config(persistent_config(16, 128, 128, 128)):
         out, ref = run_scheme(p, scheme)
     assert_close(out, ref, "fp8")
     assert len(grouped_calls) == 2
@@ -76,7 +70,7 @@ def test_grouped_biases_activations_and_input_weights(activation, grouped_calls)
     b1 = torch.randn(w1.shape[:2], generator=g).to(DEVICE, torch.bfloat16)
     b2 = torch.randn(p.w2.shape[:2], generator=g).to(DEVICE, torch.bfloat16)
     kw = dict(activation=activation, w1_bias=b1, w2_bias=b2, apply_router_weight_on_input=True)
-    with tmoe.override_route("grouped"), override_config(tiles(16, 32, 32, 32)):
+    with tmoe.override_route("grouped"), override_config(persistent_config(16, 32, 32, 32)):
         out = tmoe.fused_experts(p.x, w1, p.w2, p.topk_weights, p.topk_ids, **kw)
     assert_close(out, moe_reference(p.x, w1, p.w2, p.topk_weights, p.topk_ids, **kw), torch.bfloat16)
     assert len(grouped_calls) == 2
@@ -87,7 +81,7 @@ def test_grouped_kernels_write_exactly_their_rows():
     and rows past the real count alone), the down GEMM every routed slot's row."""
     m, e, n, k, topk, bm = 21, 4, 64, 96, 2, 16
     p = make_problem(MoEShape(m, e, n, k, topk), torch.float32, "skewed", seed=11, device=DEVICE)
-    cfg = tiles(bm, 32, 32, 32)
+    cfg = persistent_config(bm, 32, 32, 32)
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(p.topk_ids, bm, e)
     up_rows = Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk)
     em = sorted_ids.shape[0]
@@ -120,13 +114,13 @@ def test_grouped_falls_back_where_operands_do_not_fit(grouped_calls):
     assert not grouped_operands_fit(w1t) and not grouped_operands_fit(p.w1, interleaved=True)
     cases = [(w1, w2, kwargs), (p.w1, p.w2, dict(activation="swigluoai", gate_up_interleaved=True)), (w1t, p.w2, {})]
     for a, b, kw in cases:
-        with tmoe.override_route("grouped"), override_config(tiles(16, 32, 32, 32)):
+        with tmoe.override_route("grouped"), override_config(persistent_config(16, 32, 32, 32)):
             out = tmoe.fused_experts(p.x, a, b, p.topk_weights, p.topk_ids, **kw)
         assert_close(out, moe_reference(p.x, a, b, p.topk_weights, p.topk_ids, **kw), torch.bfloat16)
     assert grouped_calls == []
 
 
-def test_grouped_route_threshold_and_tiles():
+def test_grouped_route_threshold_and_persistent_config():
     """The default route takes the grouped core from GROUPED_MIN_ROWS_PER_EXPERT routed rows per
     local expert and intermediate size GROUPED_MIN_N, except for fp8 block scales; its tiles are
     persistent and TMA, block_k 64 (fp8: 128, block scales: the group)."""
@@ -142,8 +136,8 @@ def test_grouped_route_threshold_and_tiles():
     cfg = grouped_config()
     assert cfg.block_m == 128 and cfg.up.block_k == 64 and all(c.tma and c.persistent for c in (cfg.up, cfg.down))
     assert grouped_config(fp8=True).up.block_k == 128 and grouped_config((128, 64), fp8=True).down.block_k == 64
-    with override_config(tiles(16, 32, 64, 32)):
-        assert grouped_config() == tiles(16, 32, 64, 32)
+    with override_config(persistent_config(16, 32, 64, 32)):
+        assert grouped_config() == persistent_config(16, 32, 64, 32)
 
 
 @pytest.mark.parametrize("scheme", [None, *[s for s in SCHEMES if s.name in ("token", "block")]],
@@ -209,7 +203,7 @@ def test_grouped_calls_repeat_with_new_inputs(grouped_calls):
     shape = MoEShape(24, 4, 64, 64, 2)
     for seed in range(4):
         p = make_problem(shape, torch.bfloat16, "skewed" if seed % 2 else "uniform", seed=seed, device=DEVICE)
-        with tmoe.override_route("grouped"), override_config(tiles(16, 32, 32, 32)):
+        with tmoe.override_route("grouped"), override_config(persistent_config(16, 32, 32, 32)):
             out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
         assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), torch.bfloat16)
     assert len(grouped_calls) == 8
