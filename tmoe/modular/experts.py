@@ -46,8 +46,7 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         return g if n % g == 0 and up_block_n % g == 0 else None
 
     def _up(self, call: ExpertsCall, x: torch.Tensor, a_scale: torch.Tensor | None, inter: torch.Tensor,
-            up_cfg: GemmConfig, gemm: Callable[..., torch.Tensor] = invoke_moe_gemm,
-            **route) -> tuple[torch.Tensor, torch.Tensor | None]:
+            up_cfg: GemmConfig, gemm: Callable[..., torch.Tensor], **route) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The up/gate GEMM of ``x`` (activation scales ``a_scale``) by ``gemm`` (``route``: its
         routing keywords) into ``inter`` (..., N), the intermediate in the activation dtype; returns
         it quantized for the down GEMM (fused into the epilogue when the tiles allow, then ``inter``
@@ -65,7 +64,7 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         return quantize_activations(inter, self.quant_config, call.a2_scale)
 
     def _down(self, call: ExpertsCall, a2q: torch.Tensor, a2q_scale: torch.Tensor | None, out: torch.Tensor,
-              down_cfg: GemmConfig, gemm: Callable[..., torch.Tensor] = invoke_moe_gemm, **route) -> None:
+              down_cfg: GemmConfig, gemm: Callable[..., torch.Tensor], **route) -> None:
         """The down GEMM of the quantized intermediate into ``out`` by ``gemm`` (``route``: its
         routing keywords)."""
         scales = self._scales(a2q_scale, call.w2_scale, call.w2_zp)
@@ -146,7 +145,7 @@ class TritonExperts(_TritonExpertsBase):
         """The up GEMM with no align: slot s is row block s."""
         m, topk = call.topk_ids.shape
         return self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(m * topk, call.n),
-                        replace(cfg.up, block_m=16),
+                        replace(cfg.up, block_m=16), invoke_moe_gemm,
                         routing=DirectRouting(call.topk_ids, call.num_experts, call.expert_map, topk),
                         topk_weights=self._input_weights(call))
 
@@ -166,7 +165,7 @@ class TritonExperts(_TritonExpertsBase):
         cfg = self._layer_config(call)
         a2q, a2q_scale = self._slot_up(call, cfg, workspace2)
         m, topk = call.topk_ids.shape
-        self._down(call, a2q, a2q_scale, output.view(m * topk, -1), replace(cfg.down, block_m=16),
+        self._down(call, a2q, a2q_scale, output.view(m * topk, -1), replace(cfg.down, block_m=16), invoke_moe_gemm,
                    routing=DirectRouting(call.topk_ids, call.num_experts, call.expert_map, 1))
 
     def _sorted(self, output: torch.Tensor, call: ExpertsCall, workspace2: torch.Tensor) -> None:
@@ -183,9 +182,9 @@ class TritonExperts(_TritonExpertsBase):
             call.topk_ids, cfg.block_m, call.num_experts, call.expert_map, num_local_experts=call.w1.shape[0]
         )
         a2q, a2q_scale = self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(m * topk, call.n), cfg.up,
-                                  routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk),
+                                  invoke_moe_gemm, routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk),
                                   topk_weights=self._input_weights(call))
-        self._down(call, a2q, a2q_scale, output.view(m * topk, -1), cfg.down,
+        self._down(call, a2q, a2q_scale, output.view(m * topk, -1), cfg.down, invoke_moe_gemm,
                    routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1))
 
     def _grouped_fits(self, call: ExpertsCall) -> bool:
@@ -260,5 +259,5 @@ class BatchedTritonExperts(_TritonExpertsBase):
         cfg = self._config(cap, e, call.n, k, 1, call.hidden_states.device)
         counts = call.expert_num_tokens
         a2q, a2q_scale = self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(e, cap, call.n), cfg.up,
-                                  expert_num_tokens=counts)
-        self._down(call, a2q, a2q_scale, output, cfg.down, expert_num_tokens=counts)
+                                  invoke_moe_gemm, expert_num_tokens=counts)
+        self._down(call, a2q, a2q_scale, output, cfg.down, invoke_moe_gemm, expert_num_tokens=counts)
