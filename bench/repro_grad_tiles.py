@@ -22,9 +22,11 @@ ACT = [ActTiles(64, 64, 4, 3), ActTiles(64, 64, 8, 3), ActTiles(128, 64, 8, 3), 
        ActTiles(128, 32, 8, 4), ActTiles(32, 64, 4, 3)]
 INPUT = [InputTiles(128, 64, 4, 3), InputTiles(128, 64, 8, 3), InputTiles(256, 64, 8, 3), InputTiles(128, 32, 4, 4),
          InputTiles(64, 64, 4, 4), InputTiles(256, 32, 8, 4)]
-WEIGHT = [WeightTiles(), WeightTiles(128, 128, 32, 8, 4), WeightTiles(128, 256, 64, 8, 3),
-          WeightTiles(64, 128, 64, 4, 3), WeightTiles(256, 128, 64, 8, 3), WeightTiles(128, 128, 64, 4, 3),
-          WeightTiles(128, 64, 64, 4, 4), WeightTiles(128, 256, 64, 8, 4), WeightTiles(128, 256, 32, 8, 5)]
+# tma=False: the pointer kernel (token rows gathered); the others copy them into aligned rows and load by TMA
+WEIGHT = [WeightTiles(tma=False), WeightTiles(128, 256, 64, 8, 3, tma=False), WeightTiles(),
+          WeightTiles(128, 128, 64, 8, 4), WeightTiles(128, 256, 64, 8, 3), WeightTiles(256, 128, 64, 8, 3),
+          WeightTiles(128, 128, 32, 8, 5), WeightTiles(128, 256, 32, 8, 4), WeightTiles(128, 128, 64, 4, 3),
+          WeightTiles(128, 128, 64, 8, 3, group_p=16)]
 KERNELS = ("act", "input", "weight")
 
 
@@ -70,10 +72,10 @@ def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS) -> None:
         if block_m != BLOCK_MS[0] or "weight" not in kernels:
             continue  # the weight GEMMs walk each expert's rows: the align block does not matter
         dw1 = [(t, _time(lambda t=t: moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, e, tokens_left=False,
-                                                      scale_tokens=False, tiles=t))) for t in WEIGHT]
+                                                      scale_tokens=False, row_align=block_m, tiles=t))) for t in WEIGHT]
         _best("moe_grad_weight dW1", dw1, WeightTiles(), 2.0 * m * topk * 2 * n * k)
         dw2 = [(t, _time(lambda t=t: moe_grad_weight(go, inter, tw, sorted_ids, offsets, e, tokens_left=True,
-                                                      scale_tokens=False, tiles=t))) for t in WEIGHT]
+                                                      scale_tokens=False, row_align=block_m, tiles=t))) for t in WEIGHT]
         _best("moe_grad_weight dW2", dw2, WeightTiles(), 2.0 * m * topk * n * k)
 
 

@@ -70,10 +70,10 @@ def run_shape(name: str, m: int, rate: float, args: argparse.Namespace) -> list[
         "moe_grad_act (recompute + dA)": grad_act,
         "moe_grad_input (dx, dw)": lambda: ops.moe_grad_input(
             grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, block_m, s.e, None, None, False),
-        "moe_grad_weight dW1": lambda: ops.moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, s.e, False, False, None,
-                                                           t1),
-        "moe_grad_weight dW2": lambda: ops.moe_grad_weight(go, inter, tw, sorted_ids, offsets, s.e, True, False, None,
-                                                           t2),
+        "moe_grad_weight dW1": lambda: ops.moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, s.e, False, False,
+                                                           block_m, None, t1),
+        "moe_grad_weight dW2": lambda: ops.moe_grad_weight(go, inter, tw, sorted_ids, offsets, s.e, True, False,
+                                                           block_m, None, t2),
     }
     if args.bias:
         parts["moe_grad_bias db1"] = lambda: ops.moe_grad_bias(grad_h, tw, sorted_ids, offsets, s.e, False, False, None)

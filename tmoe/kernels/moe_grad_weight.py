@@ -13,7 +13,10 @@ One program owns one output tile of one expert and walks that expert's rows in o
 run expert by expert, each expert's tiles in grouped order, so its rows stay in L2 while its tiles
 read them (expert-minor order re-read every row block once per output row block: GPT-OSS-20B's dW1
 streamed about 17 GB). Rows of padding and of slots no local expert computed contribute exactly
-zero. db is its own memory-bound
+zero. Where the rows fit TMA (``sorted_operands_fit``), the token operand is first copied into
+aligned-row order (``sorted_rows``, padding rows zero) and both operands load as whole row blocks by
+TMA descriptors (``_moe_grad_weight_tma_kernel``: no gathers, no masks, the pointer kernel's
+gathered, transposed left tile kept its MMAs waiting on each step). db is its own memory-bound
 kernel over the same rows (``moe_grad_bias``; summed inside the GEMM, its register reduction of the
 left tile kept that operand out of the async-copy pipeline: GPT-OSS-20B's dW1 and dW2 ran 2.7x
 slower with it), so trainable biases of frozen weights cost no weight GEMM.
@@ -25,9 +28,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.tile_matmul import tile_ids
+from tmoe.kernels.gemm_args import tma_addressable
+from tmoe.kernels.operands import Routing
 from tmoe.kernels.sizes import backward_stages, cdiv
+from tmoe.kernels.sorted_rows import sorted_rows
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 
@@ -36,7 +43,9 @@ from tmoe.runtime.launch import launch
 @dataclass(frozen=True)
 class WeightTiles:
     """Tiles of ``moe_grad_weight``: a BLOCK_P x BLOCK_Q output tile, BLOCK_R rows a step; within an
-    expert, ``group_p`` output row blocks sweep the column blocks together (grouped order)."""
+    expert, ``group_p`` output row blocks sweep the column blocks together (grouped order). ``tma``:
+    copy the token operand into aligned-row order and load both operands by TMA where they fit
+    (``sorted_operands_fit``); else gather the token rows by pointers."""
 
     block_p: int = 128
     block_q: int = 128
@@ -44,6 +53,7 @@ class WeightTiles:
     num_warps: int = 8
     num_stages: int = 3
     group_p: int = 8
+    tma: bool = True
 
 
 @triton.jit
@@ -115,6 +125,38 @@ def _moe_grad_weight_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
 
 
+@triton.jit
+def _moe_grad_weight_tma_kernel(
+    left_desc,  # [P, P_DIM] TMA descriptor, block [BLOCK_R, BLOCK_P]: aligned rows, padding rows zero
+    right_desc,  # [P, Q_DIM] TMA descriptor, block [BLOCK_R, BLOCK_Q]: aligned rows, padding rows zero
+    expert_offsets_ptr,  # [E + 1] int32, each a multiple of BLOCK_R
+    expert_map_ptr,  # [E] int32 (HAS_MAP)
+    out_ptr,  # [E_local, P_DIM, Q_DIM]
+    P_DIM, Q_DIM, num_local_experts, stride_oe, stride_op, stride_oq,
+    BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, HAS_MAP: tl.constexpr,
+    PRECISION: tl.constexpr, GROUP_P: tl.constexpr,
+):
+    """``_moe_grad_weight_kernel`` with both operands in aligned-row order (the token operand
+    copied there by ``sorted_rows``), each row block loaded whole by TMA: no masks, no gathers,
+    padding rows (zeros) summed in. Same tile order, same row-block order."""
+    num_pid_p = tl.cdiv(P_DIM, BLOCK_P)
+    num_pid_q = tl.cdiv(Q_DIM, BLOCK_Q)
+    e = (tl.program_id(0) // (num_pid_p * num_pid_q)).to(tl.int64)
+    pid_p, pid_q = tile_ids(tl.program_id(0) % (num_pid_p * num_pid_q), num_pid_p, num_pid_q, GROUP_P)
+    local, start, end = _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP)
+    if local < 0:  # remote: another rank owns its gradient
+        return
+    acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        lt = left_desc.load([r0, pid_p * BLOCK_P])  # [BR, BP]
+        rt = right_desc.load([r0, pid_q * BLOCK_Q])  # [BR, BQ]
+        acc = tl.dot(lt.T, rt, acc, input_precision=PRECISION)  # [BP, BQ]
+    offs_p = pid_p.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
+    offs_q = pid_q.to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
+    tl.store(out_ptr + local * stride_oe + offs_p[:, None] * stride_op + offs_q[None, :] * stride_oq,
+             acc.to(out_ptr.dtype.element_ty), mask=(offs_p < P_DIM)[:, None] & (offs_q < Q_DIM)[None, :])
+
+
 @triton.jit(do_not_specialize=['num_slots'])
 def _moe_grad_bias_kernel(
     left_ptr,  # TOKENS_LEFT: [M, P_DIM] token rows, else [P, P_DIM] aligned rows
@@ -150,24 +192,39 @@ def _moe_grad_bias_kernel(
     tl.store(bias_ptr + local * stride_be + offs_p, tl.sum(acc, axis=0).to(bias_ptr.dtype.element_ty), mask=mask_p)
 
 
+def sorted_operands_fit(left: torch.Tensor, right: torch.Tensor, row_align: int, tiles: WeightTiles) -> bool:
+    """Whether ``moe_grad_weight`` runs on TMA: ``tiles.tma``, rows of 16-byte multiples in both
+    operands (the aligned-row one TMA-addressable as it is), and expert runs (multiples of
+    ``row_align``) that whole row blocks of ``tiles.block_r`` tile exactly."""
+    return (tiles.tma and row_align % tiles.block_r == 0
+            and all(t.shape[1] * t.element_size() % 16 == 0 for t in (left, right)))
+
+
 @with_interpreter_fixes
 def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
     expert_offsets: torch.Tensor, num_local_experts: int, *, tokens_left: bool, scale_tokens: bool,
-    expert_map: torch.Tensor | None = None, transposed: bool = False, tiles: WeightTiles = WeightTiles(),
+    row_align: int, expert_map: torch.Tensor | None = None, transposed: bool = False,
+    tiles: WeightTiles = WeightTiles(),
 ) -> torch.Tensor:
     """dW (E_local, P_DIM, Q_DIM) in ``left``'s dtype.
 
     Args:
         left: (rows, P_DIM), right: (rows, Q_DIM): one of them (``tokens_left``: left) a token
-            tensor (M, ·) read at each slot's token, the other an aligned-row buffer (P, ·).
+            tensor (M, ·) read at each slot's token, the other an aligned-row buffer (P, ·) whose
+            padding rows are zero.
         topk_weights: (M, topk) float32, contiguous; multiplies the token operand's rows when
             ``scale_tokens``.
-        sorted_ids: (P,) int32 and expert_offsets: (E + 1,) int32, from ``moe_align_block_size``.
+        sorted_ids: (P,) int32 and expert_offsets: (E + 1,) int32, from ``moe_align_block_size``
+            at block size ``row_align`` (every offset a multiple of it).
         num_local_experts: E_local; expert_map: optional (E,) int32 global -> local id (-1 remote).
         transposed: dW in the layout of a weight stored transposed, (E_local, Q_DIM, P_DIM) in memory
             and returned as its (E_local, P_DIM, Q_DIM) view, so autograd hands it to the parameter
             without a transposing copy.
+        tiles: the tiles, and whether to take the TMA path where it fits.
+
+    On the TMA path a (P, ·) workspace holds the token operand in aligned-row order (times the
+    router weights when ``scale_tokens``) while the GEMM runs.
     """
     p_dim, q_dim = left.shape[1], right.shape[1]
     num_experts = expert_offsets.shape[0] - 1
@@ -179,17 +236,39 @@ def moe_grad_weight(
     if num_local_experts == 0 or p_dim == 0 or q_dim == 0:
         return grad_w
     fp32 = left.dtype == torch.float32
-    launch(_moe_grad_weight_kernel,
-           (num_experts * cdiv(p_dim, tiles.block_p) * cdiv(q_dim, tiles.block_q),),
-           left, right, topk_weights, sorted_ids, expert_offsets,
-           expert_map if expert_map is not None else expert_offsets, grad_w,
-           topk_weights.numel(), p_dim, q_dim, num_local_experts,
-           left.stride(0), left.stride(1), right.stride(0), right.stride(1), *grad_w.stride(),
-           TOPK=topk_weights.shape[1], BLOCK_P=tiles.block_p, BLOCK_Q=tiles.block_q, BLOCK_R=tiles.block_r,
-           TOKENS_LEFT=tokens_left, SCALE_TOKENS=scale_tokens, HAS_MAP=expert_map is not None,
-           PRECISION="ieee" if fp32 else "tf32", GROUP_P=tiles.group_p, num_warps=tiles.num_warps,
-           num_stages=backward_stages(tiles.num_stages, fp32))
+    grid = (num_experts * cdiv(p_dim, tiles.block_p) * cdiv(q_dim, tiles.block_q),)
+    common = dict(expert_offsets_ptr=expert_offsets,
+                  expert_map_ptr=expert_map if expert_map is not None else expert_offsets, out_ptr=grad_w, P_DIM=p_dim, Q_DIM=q_dim, num_local_experts=num_local_experts,
+                  stride_oe=grad_w.stride(0), stride_op=grad_w.stride(1), stride_oq=grad_w.stride(2),
+                  BLOCK_P=tiles.block_p, BLOCK_Q=tiles.block_q, BLOCK_R=tiles.block_r, HAS_MAP=expert_map is not None,
+                  PRECISION="ieee" if fp32 else "tf32", GROUP_P=tiles.group_p, num_warps=tiles.num_warps,
+                  num_stages=backward_stages(tiles.num_stages, fp32))
+    aligned = right if tokens_left else left
+    if sorted_ids.shape[0] and sorted_operands_fit(left, right, row_align, tiles) and tma_addressable(aligned):
+        tokens = _sorted_tokens(left if tokens_left else right, topk_weights, sorted_ids, expert_offsets,
+                                scale_tokens)
+        left, right = (tokens, right) if tokens_left else (left, tokens)
+        launch(_moe_grad_weight_tma_kernel, grid,
+               left_desc=TensorDescriptor.from_tensor(left, [tiles.block_r, tiles.block_p]),
+               right_desc=TensorDescriptor.from_tensor(right, [tiles.block_r, tiles.block_q]), **common)
+        return grad_w
+    launch(_moe_grad_weight_kernel, grid,
+           left_ptr=left, right_ptr=right, topk_weights_ptr=topk_weights, sorted_ids_ptr=sorted_ids,
+           num_slots=topk_weights.numel(), stride_lm=left.stride(0), stride_lk=left.stride(1),
+           stride_rm=right.stride(0), stride_rk=right.stride(1), TOPK=topk_weights.shape[1], TOKENS_LEFT=tokens_left,
+           SCALE_TOKENS=scale_tokens, **common)
     return grad_w
+
+
+def _sorted_tokens(tokens: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
+                   expert_offsets: torch.Tensor, scale_tokens: bool) -> torch.Tensor:
+    """(P, D) contiguous: token rows (M, D) at the slots of ``sorted_ids``, padding rows zero,
+    times the slot's router weight when ``scale_tokens`` (rounded once, as the pointer path does)."""
+    out = torch.empty((sorted_ids.shape[0], tokens.shape[1]), dtype=tokens.dtype, device=tokens.device)
+    tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()  # autograd may hand an expanded grad_out
+    # expert_offsets[E] is the padded row count: the rows the GEMM reads
+    routing = Routing(sorted_ids, expert_offsets, expert_offsets[-1:], topk_weights.numel(), topk_weights.shape[1])
+    return sorted_rows(tokens, routing, out, row_weights=topk_weights if scale_tokens else None)
 
 
 BIAS_BLOCK_P, BIAS_BLOCK_R = 128, 64

@@ -3,8 +3,10 @@
 Row p of the output is the input row of slot ``sorted_ids[p]`` (row ``slot // a_row_div``), so each
 expert's rows form one run padded to the align block size and every row block of the grouped GEMM
 (``moe_grouped_gemm``) is one expert's, loadable as one TMA tile. Padding rows (slot id
->= num_slots) are written as zeros (scales too). The grid covers the worst-case row count; programs
-past the real count (``num_tokens_post_padded``) return at once. Row offsets are int64.
+>= num_slots) are written as zeros (scales too). With ``row_weights`` each row is multiplied by its
+slot's router weight in float32 and rounded once (the backward's weight GEMM when the forward scaled
+the input). The grid covers the worst-case row count; programs past the real count
+(``num_tokens_post_padded``) return at once. Row offsets are int64.
 """
 from __future__ import annotations
 
@@ -26,11 +28,13 @@ def _sorted_rows_kernel(
     out_ptr,  # [EM, K]
     x_scale_ptr,  # [rows, S] float32 (HAS_SCALE)
     out_scale_ptr,  # [EM, S] float32 (HAS_SCALE)
+    row_weights_ptr,  # [num_slots] float32 (WEIGHTED)
     sorted_ids_ptr,  # [EM] int32
     num_post_padded_ptr,  # [1] int32
     num_slots, a_row_div, K, S,
     stride_xm, stride_om, stride_xsm, stride_xss, stride_osm,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SCALE: tl.constexpr,
+    WEIGHTED: tl.constexpr,
 ):
     first = tl.program_id(0) * BLOCK_R
     if first >= tl.load(num_post_padded_ptr):
@@ -39,10 +43,14 @@ def _sorted_rows_kernel(
     slots = tl.load(sorted_ids_ptr + rows).to(tl.int64)
     valid = slots < num_slots
     src = tl.where(valid, slots // a_row_div, 0)  # [BR]
+    if WEIGHTED:
+        w = tl.load(row_weights_ptr + slots, mask=valid, other=0.0)[:, None]  # [BR, 1] float32
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
+        if WEIGHTED:
+            v = (v.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows[:, None] * stride_om + offs_k[None, :], v, mask=mask_k[None, :])
     if HAS_SCALE:
         offs_s = tl.arange(0, BLOCK_S)
@@ -57,11 +65,13 @@ def _sorted_rows_kernel(
 def sorted_rows(
     x: torch.Tensor, routing: Routing, out: torch.Tensor,
     x_scale: torch.Tensor | None = None, out_scale: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write ``x`` (rows, K) (any dtype, K contiguous) into ``out`` (EM, K) in the order of
     ``routing.sorted_token_ids`` (EM = its length), padding rows zero. ``x_scale`` (rows, S) float32
     per-row scales (fp8 activations: S = 1 per token, K / group per block) go to ``out_scale``
-    (EM, S) the same way. Rows past ``num_tokens_post_padded`` are not written. Shapes were checked
+    (EM, S) the same way. ``row_weights`` ([num_slots] float32, with a float ``x``) multiplies
+    each row by its slot's weight. Rows past ``num_tokens_post_padded`` are not written. Shapes were checked
     by the caller."""
     em, k = out.shape
     if em == 0 or k == 0:
@@ -71,11 +81,11 @@ def sorted_rows(
     block_k = min(next_power_of_2(k), 512 if x.element_size() == 1 else 256)
     return Launch(_sorted_rows_kernel, (cdiv(em, ROWS_PER_PROGRAM),), dict(
         x_ptr=x, out_ptr=out, x_scale_ptr=x_scale if has_scale else x, out_scale_ptr=out_scale if has_scale else out,
-        sorted_ids_ptr=routing.sorted_token_ids, num_post_padded_ptr=routing.num_tokens_post_padded,
+        row_weights_ptr=row_weights if row_weights is not None else out, sorted_ids_ptr=routing.sorted_token_ids, num_post_padded_ptr=routing.num_tokens_post_padded,
         num_slots=routing.num_slots, a_row_div=routing.a_row_div, K=k, S=s,
         stride_xm=x.stride(0), stride_om=out.stride(0),
         stride_xsm=x_scale.stride(0) if has_scale else 0, stride_xss=x_scale.stride(-1) if has_scale else 0,
         stride_osm=out_scale.stride(0) if has_scale else 0,
         BLOCK_R=ROWS_PER_PROGRAM, BLOCK_K=block_k, BLOCK_S=next_power_of_2(s), HAS_SCALE=has_scale,
-        num_warps=4,
+        WEIGHTED=row_weights is not None, num_warps=4,
     ), out)

@@ -93,7 +93,7 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     # Each workspace is released once its last reader ran (the peak holds the gradients and grad_h
     # only): dW2 = sum go^T (w a) first (inter holds w a; a alone when the forward scaled the input)
     _weight_grads(grads, needs, "w2", "w2_bias", w2_bias is not None, grad_out, inter, topk_weights, sorted_ids,
-                  offsets, e_local, True, False, not on_input, expert_map, stored_transposed(w2))
+                  offsets, block_m, e_local, True, False, not on_input, expert_map, stored_transposed(w2))
     del inter
     if needs[_INDEX["hidden_states"]] or needs[_INDEX["topk_weights"]]:
         grad_x, grad_w = tmoe.moe_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_ids, expert_ids,
@@ -106,13 +106,13 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     del partial
     # dW1[e] = sum dh^T x (x times the router weight when the forward scaled the input)
     _weight_grads(grads, needs, "w1", "w1_bias", w1_bias is not None, grad_h, x, topk_weights, sorted_ids, offsets,
-                  e_local, False, on_input, False, expert_map, stored_transposed(w1))
+                  block_m, e_local, False, on_input, False, expert_map, stored_transposed(w1))
     return tuple(grads)
 
 
 def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: bool, left: torch.Tensor,
                   right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor, offsets: torch.Tensor,
-                  e_local: int, tokens_left: bool, scale_tokens: bool, weighted_bias: bool,
+                  block_m: int, e_local: int, tokens_left: bool, scale_tokens: bool, weighted_bias: bool,
                   expert_map: torch.Tensor | None, transposed: bool) -> None:
     """Fill the gradients of ``weight`` (one K-grouped GEMM) and of its ``bias`` (a sum over the same
     rows), each only if it requires grad: a frozen weight with a trainable bias runs no GEMM.
@@ -121,7 +121,7 @@ def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: b
     tmoe = torch.ops.tmoe
     if needs[_INDEX[weight]]:
         grads[_INDEX[weight]] = tmoe.moe_grad_weight(left, right, topk_weights, sorted_ids, offsets, e_local,
-                                                     tokens_left, scale_tokens, expert_map, transposed)
+                                                     tokens_left, scale_tokens, block_m, expert_map, transposed)
     if has_bias and needs[_INDEX[bias]]:
         grads[_INDEX[bias]] = tmoe.moe_grad_bias(left, topk_weights, sorted_ids, offsets, e_local, tokens_left,
                                                  weighted_bias, expert_map)

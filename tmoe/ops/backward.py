@@ -105,19 +105,19 @@ def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
 @torch.library.custom_op("tmoe::moe_grad_weight", mutates_args=())
 def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_token_ids: torch.Tensor,
-    expert_offsets: torch.Tensor, num_local_experts: int, tokens_left: bool, scale_tokens: bool,
+    expert_offsets: torch.Tensor, num_local_experts: int, tokens_left: bool, scale_tokens: bool, block_m: int,
     expert_map: torch.Tensor | None, transposed: bool = False,
 ) -> torch.Tensor:
-    """dW (E_local, P_DIM, Q_DIM): see ``tmoe.kernels.moe_grad_weight`` (``transposed``: strided as
-    the transpose of a contiguous (E_local, Q_DIM, P_DIM))."""
+    """dW (E_local, P_DIM, Q_DIM): see ``tmoe.kernels.moe_grad_weight`` (``block_m``: the align's
+    block size; ``transposed``: strided as the transpose of a contiguous (E_local, Q_DIM, P_DIM))."""
     return _grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
-                        tokens_left=tokens_left, scale_tokens=scale_tokens, expert_map=expert_map,
+                        tokens_left=tokens_left, scale_tokens=scale_tokens, row_align=block_m, expert_map=expert_map,
                         transposed=transposed)
 
 
 @moe_grad_weight.register_fake
 def _(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts, tokens_left, scale_tokens,
-      expert_map, transposed=False):
+      block_m, expert_map, transposed=False):
     p_dim, q_dim = left.shape[1], right.shape[1]
     if transposed:
         return left.new_empty((num_local_experts, q_dim, p_dim)).transpose(1, 2)
