@@ -11,17 +11,20 @@ import torch
 import triton
 
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.moe_grad_act import ActTiles, act_tiles, moe_grad_act
+from tmoe.kernels.moe_grad_act import ActTiles, act_tiles, grad_block_m, moe_grad_act
 from tmoe.kernels.moe_grad_input import InputTiles, moe_grad_input
 from tmoe.kernels.moe_grad_weight import WeightTiles, moe_grad_weight
 
 SHAPES = {"qwen3-30b-a3b": (128, 768, 2048, 8), "mixtral-8x7b": (8, 14336, 4096, 2),
           "deepseek-v3": (256, 2048, 7168, 8)}
-BLOCK_MS = (64, 128)
-ACT = [ActTiles(64, 64, 4, 3), ActTiles(64, 64, 8, 3), ActTiles(128, 64, 8, 3), ActTiles(64, 32, 4, 4),
-       ActTiles(128, 32, 8, 4), ActTiles(32, 64, 4, 3)]
-INPUT = [InputTiles(128, 64, 4, 3), InputTiles(128, 64, 8, 3), InputTiles(256, 64, 8, 3), InputTiles(128, 32, 4, 4),
-         InputTiles(64, 64, 4, 4), InputTiles(256, 32, 8, 4)]
+# tma=False: rows gathered and weights read by pointers; the others load every operand by TMA (moe_grad_act
+# from aligned-row copies of grad_out and x)
+ACT = [ActTiles(128, 64, 8, 3, tma=False), ActTiles(128, 32, 8, 4, tma=False), ActTiles(64, 64, 8, 3),
+       ActTiles(64, 64, 8, 4), ActTiles(128, 64, 8, 3), ActTiles(128, 32, 8, 4), ActTiles(64, 64, 4, 3),
+       ActTiles(64, 32, 4, 4), ActTiles(64, 128, 8, 3), ActTiles(128, 64, 8, 4)]
+INPUT = [InputTiles(tma=False), InputTiles(), InputTiles(128, 64, 4, 3), InputTiles(128, 64, 8, 3),
+         InputTiles(256, 64, 8, 4), InputTiles(128, 32, 4, 4), InputTiles(64, 64, 4, 4), InputTiles(256, 32, 8, 4),
+         InputTiles(128, 128, 8, 3)]
 # tma=False: the pointer kernel (token rows gathered); the others copy them into aligned rows and load by TMA
 WEIGHT = [WeightTiles(tma=False), WeightTiles(128, 256, 64, 8, 3, tma=False), WeightTiles(),
           WeightTiles(128, 128, 64, 8, 4), WeightTiles(128, 256, 64, 8, 3), WeightTiles(256, 128, 64, 8, 3),
@@ -40,6 +43,8 @@ def _time(fn) -> float:
 
 def _best(name: str, results: list[tuple[object, float]], default: object, flops: float = 0.0) -> None:
     timed = dict(results)
+    for tiles, us in results:
+        print(f"    {us:9.1f} µs  {tiles}")
     tiles, us = min(results, key=lambda r: r[1])
     base = timed.get(default, float("nan"))
     rate = f" ({flops / us / 1e6:.0f} TFLOP/s)" if flops else ""
@@ -47,7 +52,8 @@ def _best(name: str, results: list[tuple[object, float]], default: object, flops
           flush=True)
 
 
-def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS) -> None:
+def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS, block_ms: tuple[int, ...] = ()) -> None:
+    """Time every candidate of ``kernels`` at the align blocks ``block_ms`` (default: the shipped one)."""
     e, n, k, topk = SHAPES[name]
     dev, dt = torch.device("cuda"), torch.bfloat16
     x = torch.randn(m, k, device=dev, dtype=dt)
@@ -57,7 +63,7 @@ def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS) -> None:
     ids = ids.to(torch.int32)
     go = torch.randn(m, k, device=dev, dtype=dt)
     print(f"{name} M={m}", flush=True)
-    for block_m in BLOCK_MS:
+    for block_m in block_ms or (grad_block_m(e),):
         offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
         sorted_ids, expert_ids, npp = moe_align_block_size(ids, block_m, e, None, offsets)
         route = (topk, sorted_ids, expert_ids, npp)
@@ -69,7 +75,7 @@ def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS) -> None:
             inp = [(t, _time(lambda t=t: moe_grad_input(grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, e,
                                                          block_m=block_m, tiles=t))) for t in INPUT]
             _best(f"moe_grad_input block_m={block_m}", inp, InputTiles())
-        if block_m != BLOCK_MS[0] or "weight" not in kernels:
+        if block_m != (block_ms or (grad_block_m(e),))[0] or "weight" not in kernels:
             continue  # the weight GEMMs walk each expert's rows: the align block does not matter
         dw1 = [(t, _time(lambda t=t: moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, e, tokens_left=False,
                                                       scale_tokens=False, row_align=block_m, tiles=t))) for t in WEIGHT]
@@ -84,10 +90,12 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--ms", type=int, nargs="+", default=[4096])
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
+    parser.add_argument("--block-ms", type=int, nargs="*", default=[],
+                        help="align blocks of moe_grad_act and moe_grad_input (default: the shipped grad_block_m)")
     args = parser.parse_args()
     for m in args.ms:
         for name in args.shapes:
-            run_shape(name, m, tuple(args.kernels))
+            run_shape(name, m, tuple(args.kernels), tuple(args.block_ms))
             torch.cuda.empty_cache()
 
 

@@ -17,14 +17,14 @@ KERNELS = (
     "_batched_dispatch_kernel "
     "_moe_down_reduce_kernel _moe_fused_decode_kernel _moe_gemm_kernel _moe_grad_act_kernel _moe_grad_bias_kernel "
     "_moe_grad_input_kernel "
-    "_grouped_gemm_kernel _moe_grad_weight_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
+    "_grouped_gemm_kernel _moe_grad_weight_kernel _moe_grad_weight_tma_kernel _moe_partial_reduce_kernel _moe_reduce_kernel _per_token_group_quant_fp8_kernel "
     "_per_token_quant_fp8_kernel _sorted_rows_kernel _static_quant_fp8_kernel _topk_route_grad_kernel _topk_route_kernel _zero_kernel"
 ).split()
 
 # launched with launch_pdl and compiled with gdc_wait / gdc_launch_dependents under override_pdl(True)
 PDL_KERNELS = sorted(set(KERNELS) - {"_batched_dispatch_kernel", "_sorted_rows_kernel", "_topk_route_kernel", "_zero_kernel", "_moe_grad_act_kernel",
                                       "_moe_grad_bias_kernel", "_moe_grad_input_kernel", "_moe_grad_weight_kernel",
-                                      "_topk_route_grad_kernel"})
+                                      "_moe_grad_weight_tma_kernel", "_topk_route_grad_kernel"})
 
 # tmoe.testing.sm90: a stand-in CUDA driver reports an sm_90 device; launches only compile, nothing runs.
 SCRIPT = textwrap.dedent("""
@@ -92,8 +92,13 @@ SCRIPT = textwrap.dedent("""
     for route in ("sorted", "fused"):
         with tmoe.override_route(route):
             tmoe.fused_experts(p.x, wt1, wt2, p.topk_weights, p.topk_ids)
-    # the backward kernels: the layer's (with biases, swigluoai interleaved) and the router's
+    # the backward kernels: the layer's (every operand by TMA; with biases, swigluoai interleaved: the
+    # pointer path of moe_grad_act) and the router's
     train = [t.clone().requires_grad_() for t in (p.x, p.w1, p.w2, p.topk_weights)]
+    tmoe.fused_experts(*train, p.topk_ids).sum().backward()
+    odd = make_problem(MoEShape(9, 4, 64, 100, 2), torch.bfloat16, "uniform", seed=0)  # 200-byte rows: pointers
+    tmoe.fused_experts(*(t.requires_grad_() for t in (odd.x, odd.w1, odd.w2, odd.topk_weights)),
+                       odd.topk_ids).sum().backward()
     b1, b2 = torch.zeros(4, 256, requires_grad=True), torch.zeros(4, 256, requires_grad=True)
     tmoe.fused_experts(*train[:3], train[3], p.topk_ids, activation="swigluoai", gate_up_interleaved=True,
                        w1_bias=b1, w2_bias=b2).sum().backward()

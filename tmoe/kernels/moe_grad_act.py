@@ -13,6 +13,11 @@ activation's derivative. ``dh`` and ``a`` are written in aligned-row order (the 
 dW GEMMs read them; padding rows are zeros), ``dw`` as one float32 partial per (row, column
 block), summed in a fixed order by ``moe_grad_input``. No atomics: deterministic. Tiles run in
 grouped order (``sizes.row_group`` row blocks sweep the column blocks together).
+Where the operands allow it (``tma_operands_fit``: float weights, w1 K-contiguous, w2
+N-contiguous, gate/up not interleaved), grad_out and x are first copied into aligned-row order
+(``sorted_rows``, padding rows zero) and every operand loads by TMA: the gathered rows' [BM, BK]
+pointer tensors of the other path spilled registers at 128-row blocks. Else rows are gathered
+through their tokens and the weights read by pointers (any strides, interleaved rows, fp8).
 """
 from __future__ import annotations
 
@@ -21,24 +26,29 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.activation_grad import act_and_mul_grad, act_no_mul_grad
 from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.activation import Activation
-from tmoe.kernels.operands import BlockScales, scale_strides
+from tmoe.kernels.gemm_args import tma_addressable
+from tmoe.kernels.operands import BlockScales, Routing, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
+from tmoe.kernels.sorted_rows import sorted_rows
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 
 @dataclass(frozen=True)
 class ActTiles:
-    """Tiles of ``moe_grad_act``: BLOCK_N intermediate columns, BLOCK_K steps (rows: the align block)."""
+    """Tiles of ``moe_grad_act``: BLOCK_N intermediate columns, BLOCK_K steps (rows: the align block);
+    ``tma``: take the TMA path where the operands allow it (``tma_operands_fit``)."""
 
     block_n: int = 128
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = True
 
 
 def grad_block_m(num_experts: int) -> int:
@@ -55,10 +65,10 @@ def act_tiles(block_m: int) -> ActTiles:
 
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_grad_act_kernel(
-    grad_out_ptr,  # [M, K] dL/dout
-    x_ptr,  # [M, K]
-    w1_ptr,  # [E, W1_ROWS, K] (gate rows, up rows; INTERLEAVED: alternating)
-    w2_ptr,  # [E, K, N]
+    grad_out_src,  # [M, K] dL/dout (TMA: descriptor of its aligned-row copy [P, K], block [BLOCK_M, BLOCK_K])
+    x_src,  # [M, K] (TMA: as grad_out_src)
+    w1_src,  # [E, W1_ROWS, K] (gate rows, up rows; INTERLEAVED: alternating) (TMA: block [1, BLOCK_N, BLOCK_K])
+    w2_src,  # [E, K, N] (TMA: block [1, BLOCK_K, BLOCK_N])
     b1_ptr,  # [E, W1_ROWS] (HAS_B1)
     b2_ptr,  # [E, K] (HAS_B2)
     topk_weights_ptr,  # [num_slots] float32
@@ -77,7 +87,7 @@ def _moe_grad_act_kernel(
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACTIVATION: tl.constexpr, MUL: tl.constexpr, CLAMP: tl.constexpr, INTERLEAVED: tl.constexpr,
     ON_INPUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, PRECISION: tl.constexpr,
-    FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, GROUP_M: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     pid_m = pid_m.to(tl.int64)
@@ -124,44 +134,56 @@ def _moe_grad_act_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_pair = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # PAIRED: x @ W1's [2BN] rows
     acc_b2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    w1_base = w1_ptr + expert * stride_w1e
-    w2_base = w2_ptr + expert * stride_w2e + offs_n[None, :] * stride_w2n  # [1, BN]
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
         mask_k = offs_k < K
-        mask_a = mask_m[:, None] & mask_k[None, :]
-        mask_b = mask_k[:, None] & mask_n[None, :]
-        go = tl.load(grad_out_ptr + tokens[:, None] * stride_gm + offs_k[None, :] * stride_gk, mask=mask_a,
-                     other=0.0)  # [BM, BK]
-        xt = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_a,
-                     other=0.0)  # [BM, BK]
-        w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
-        if FP8_W:  # frozen block-fp8 weights, dequantized in registers (w2's rows are K, w1's are 2N)
-            w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :], stride_s2r,
-                                stride_s2c, mask_b, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
-        acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
-        if PAIRED:
-            mask_w = mask_k[:, None] & mask_pair[None, :]
-            w1p = tl.load(w1_base + pair_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_w,
-                          other=0.0)  # [BK, 2BN]
-            if FP8_W:
-                w1p = dequant_block(w1p, s1_ptr + expert * stride_s1e, pair_rows[None, :], offs_k[:, None],
-                                    stride_s1r, stride_s1c, mask_w, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
-            acc_pair = tl.dot(xt, w1p, acc_pair, input_precision=PRECISION)
-        else:
-            w1g = tl.load(w1_base + gate_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
-                          other=0.0)  # [BK, BN]
-            if FP8_W:
-                w1g = dequant_block(w1g, s1_ptr + expert * stride_s1e, gate_rows[None, :], offs_k[:, None],
-                                    stride_s1r, stride_s1c, mask_b, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
-            acc_gate = tl.dot(xt, w1g, acc_gate, input_precision=PRECISION)
-        if MUL and not PAIRED:
-            w1u = tl.load(w1_base + up_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
-                          other=0.0)  # [BK, BN]
-            if FP8_W:
-                w1u = dequant_block(w1u, s1_ptr + expert * stride_s1e, up_rows[None, :], offs_k[:, None], stride_s1r,
-                                    stride_s1c, mask_b, SCALE_R, SCALE_C, x_ptr.dtype.element_ty)
-            acc_up = tl.dot(xt, w1u, acc_up, input_precision=PRECISION)
+        if TMA:  # aligned rows, whole blocks; rows and columns past the ends read zero
+            e32 = expert.to(tl.int32)
+            go = grad_out_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
+            xt = x_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
+            w2t = w2_src.load([e32, k0, (pid_n * BLOCK_N).to(tl.int32)]).reshape(BLOCK_K, BLOCK_N)
+            acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
+            w1g = w1_src.load([e32, (pid_n * BLOCK_N).to(tl.int32), k0]).reshape(BLOCK_N, BLOCK_K)
+            acc_gate = tl.dot(xt, w1g.T, acc_gate, input_precision=PRECISION)
+            if MUL:
+                w1u = w1_src.load([e32, (N + pid_n * BLOCK_N).to(tl.int32), k0]).reshape(BLOCK_N, BLOCK_K)
+                acc_up = tl.dot(xt, w1u.T, acc_up, input_precision=PRECISION)
+        else:  # rows gathered through their tokens, weights by pointers (any strides)
+            w1_base = w1_src + expert * stride_w1e
+            w2_base = w2_src + expert * stride_w2e + offs_n[None, :] * stride_w2n  # [1, BN]
+            mask_a = mask_m[:, None] & mask_k[None, :]
+            mask_b = mask_k[:, None] & mask_n[None, :]
+            go = tl.load(grad_out_src + tokens[:, None] * stride_gm + offs_k[None, :] * stride_gk, mask=mask_a,
+                         other=0.0)  # [BM, BK]
+            xt = tl.load(x_src + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_a,
+                         other=0.0)  # [BM, BK]
+            w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
+            if FP8_W:  # frozen block-fp8 weights, dequantized in registers (w2's rows are K, w1's are 2N)
+                w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :], stride_s2r,
+                                    stride_s2c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
+            acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
+            if PAIRED:
+                mask_w = mask_k[:, None] & mask_pair[None, :]
+                w1p = tl.load(w1_base + pair_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_w,
+                              other=0.0)  # [BK, 2BN]
+                if FP8_W:
+                    w1p = dequant_block(w1p, s1_ptr + expert * stride_s1e, pair_rows[None, :], offs_k[:, None],
+                                        stride_s1r, stride_s1c, mask_w, SCALE_R, SCALE_C, x_src.dtype.element_ty)
+                acc_pair = tl.dot(xt, w1p, acc_pair, input_precision=PRECISION)
+            else:
+                w1g = tl.load(w1_base + gate_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
+                              other=0.0)  # [BK, BN]
+                if FP8_W:
+                    w1g = dequant_block(w1g, s1_ptr + expert * stride_s1e, gate_rows[None, :], offs_k[:, None],
+                                        stride_s1r, stride_s1c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
+                acc_gate = tl.dot(xt, w1g, acc_gate, input_precision=PRECISION)
+            if MUL and not PAIRED:
+                w1u = tl.load(w1_base + up_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
+                              other=0.0)  # [BK, BN]
+                if FP8_W:
+                    w1u = dequant_block(w1u, s1_ptr + expert * stride_s1e, up_rows[None, :], offs_k[:, None],
+                                        stride_s1r, stride_s1c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
+                acc_up = tl.dot(xt, w1u, acc_up, input_precision=PRECISION)
         if HAS_B2:
             b2 = tl.load(b2_ptr + expert * stride_b2e + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
             acc_b2 += tl.sum(go.to(tl.float32) * b2[None, :], axis=1)
@@ -261,15 +283,25 @@ def moe_grad_act(
     s1, s2 = (weight_scales.w1_scale, weight_scales.w2_scale) if weight_scales else (partial, partial)
     fp32 = x.dtype == torch.float32
     num_pid_m = cdiv(p, block_m)
+    block_k = min(tiles.block_k, 32) if fp32 else tiles.block_k
+    tma = tiles.tma and weight_scales is None and tma_operands_fit(x, w1, w2, activation)
+    if tma:  # grad_out and x rows copied into aligned order (padding rows zero), every operand by TMA
+        routing = Routing(sorted_ids, expert_ids, num_post_padded, num_slots, topk)
+        go_src, x_src = (TensorDescriptor.from_tensor(_aligned_rows(t, routing), [block_m, block_k])
+                         for t in (grad_out, x))
+        w1_src = TensorDescriptor.from_tensor(w1, [1, tiles.block_n, block_k])
+        w2_src = TensorDescriptor.from_tensor(w2, [1, block_k, tiles.block_n])
+    else:
+        go_src, x_src, w1_src, w2_src = grad_out, x, w1, w2
     launch(_moe_grad_act_kernel, (num_pid_m * num_pid_n,),
-           grad_out, x, w1, w2, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, grad_h, inter, partial,
+           go_src, x_src, w1_src, w2_src, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, grad_h, inter, partial,
            s1, s2, num_slots, n, k, alpha, limit, num_pid_m,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
            b1.stride(0), b2.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
            *scale_strides(s1), *scale_strides(s2), FP8_W=weight_scales is not None,
            SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
            SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,
-           TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=min(tiles.block_k, 32) if fp32 else tiles.block_k,
+           TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, TMA=tma,
            ACTIVATION=activation.name,
            MUL=activation.gated, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
@@ -277,3 +309,17 @@ def moe_grad_act(
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
            num_stages=backward_stages(tiles.num_stages, fp32, weight_scales is not None))
     return grad_h, inter, partial
+
+
+def tma_operands_fit(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: Activation) -> bool:
+    """Whether ``moe_grad_act`` can load every operand by TMA: rows of x (and so of its aligned
+    copies) 16-byte multiples, w1 K-contiguous and w2 N-contiguous (TMA-addressable), gate and up
+    rows not interleaved."""
+    return (not activation.interleaved and x.shape[1] * x.element_size() % 16 == 0
+            and tma_addressable(w1) and tma_addressable(w2))
+
+
+def _aligned_rows(t: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """(P, K) contiguous: the token rows of ``t`` (M, K) in aligned-row order, padding rows zero."""
+    out = torch.empty((routing.sorted_token_ids.shape[0], t.shape[1]), dtype=t.dtype, device=t.device)
+    return sorted_rows(t if t.stride(-1) == 1 else t.contiguous(), routing, out)  # grad_out may be expanded

@@ -7,7 +7,10 @@ written per slot, then summed over each token's top-k slots in a fixed order by 
 there). The programs of the first column block also sum each row's partial router-weight
 gradients (``moe_grad_act``) in a fixed order. No atomics: deterministic. Tiles run in grouped
 order (``sizes.row_group`` row blocks sweep the column blocks together), so each row block's dh is
-read from memory about once, not once per column block.
+read from memory about once, not once per column block. Where TMA can address dh and w1 (float
+w1 with K contiguous; ``InputTiles.tma``), both load by TMA descriptors: dh's rows are one
+expert's aligned block, w1's a [BLOCK_R, BLOCK_N] box of the expert (rows past 2N read zero);
+else by pointers.
 """
 from __future__ import annotations
 
@@ -16,9 +19,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels._details.tile_matmul import tile_ids
+from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.runtime.interpreter import with_interpreter_fixes
@@ -30,18 +35,20 @@ PARTS_BLOCK = 16
 
 @dataclass(frozen=True)
 class InputTiles:
-    """Tiles of ``moe_grad_input``: BLOCK_N columns of K, BLOCK_R steps over w1's rows."""
+    """Tiles of ``moe_grad_input``: BLOCK_N columns of K, BLOCK_R steps over w1's rows; ``tma``: load
+    dh and w1 by TMA where they allow it."""
 
     block_n: int = 256
     block_r: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = True
 
 
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_grad_input_kernel(
-    grad_h_ptr,  # [P, W1_ROWS] aligned rows
-    w1_ptr,  # [E, W1_ROWS, K]
+    grad_h_src,  # [P, W1_ROWS] aligned rows (TMA: its descriptor, block [BLOCK_M, BLOCK_R])
+    w1_src,  # [E, W1_ROWS, K] (TMA: its descriptor, block [1, BLOCK_R, BLOCK_N])
     partial_ptr,  # [P, num_parts] float32
     sorted_ids_ptr,  # [P] int32
     expert_ids_ptr,  # [P // BLOCK_M] int32, -1 remote
@@ -53,7 +60,7 @@ def _moe_grad_input_kernel(
     stride_hm, stride_w1e, stride_w1r, stride_w1k, stride_sm, stride_pm, stride_s1e, stride_s1r, stride_s1c,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     pid_m = pid_m.to(tl.int64)
@@ -77,17 +84,21 @@ def _moe_grad_input_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of K
     mask_n = offs_n < K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w_base = w1_ptr + expert * stride_w1e + offs_n[None, :] * stride_w1k  # [1, BN]
     for r0 in range(0, W1_ROWS, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
-        mask_r = offs_r < W1_ROWS
-        dh = tl.load(grad_h_ptr + rows[:, None] * stride_hm + offs_r[None, :], mask=mask_r[None, :],
-                     other=0.0)  # [BM, BR]
-        mask_w = mask_r[:, None] & mask_n[None, :]
-        w = tl.load(w_base + offs_r[:, None] * stride_w1r, mask=mask_w, other=0.0)  # [BR, BN]
-        if FP8_W:  # frozen block-fp8 w1, dequantized in registers
-            w = dequant_block(w, s1_ptr + expert * stride_s1e, offs_r[:, None], offs_n[None, :], stride_s1r,
-                              stride_s1c, mask_w, SCALE_R, SCALE_C, grad_h_ptr.dtype.element_ty)
+        if TMA:
+            dh = grad_h_src.load([(pid_m * BLOCK_M).to(tl.int32), r0])  # [BM, BR]
+            w = w1_src.load([expert.to(tl.int32), r0, (pid_n * BLOCK_N).to(tl.int32)]).reshape(BLOCK_R, BLOCK_N)
+        else:
+            offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+            mask_r = offs_r < W1_ROWS
+            dh = tl.load(grad_h_src + rows[:, None] * stride_hm + offs_r[None, :], mask=mask_r[None, :],
+                         other=0.0)  # [BM, BR]
+            mask_w = mask_r[:, None] & mask_n[None, :]
+            w = tl.load(w1_src + expert * stride_w1e + offs_n[None, :] * stride_w1k + offs_r[:, None] * stride_w1r,
+                        mask=mask_w, other=0.0)  # [BR, BN]
+            if FP8_W:  # frozen block-fp8 w1, dequantized in registers
+                w = dequant_block(w, s1_ptr + expert * stride_s1e, offs_r[:, None], offs_n[None, :], stride_s1r,
+                                  stride_s1c, mask_w, SCALE_R, SCALE_C, grad_h_src.dtype.element_ty)
         acc = tl.dot(dh, w, acc, input_precision=PRECISION)
     tl.store(grad_slots_ptr + slots[:, None] * stride_sm + offs_n[None, :],
              acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -122,15 +133,21 @@ def moe_grad_input(
         fp32 = grad_h.dtype == torch.float32
         s1 = weight_scales.w1_scale if weight_scales else partial
         num_pid_m = cdiv(p, block_m)
+        tma = tiles.tma and weight_scales is None and tma_addressable(grad_h) and tma_addressable(w1)
+        if tma:
+            grad_h_src = TensorDescriptor.from_tensor(grad_h, [block_m, tiles.block_r])
+            w1_src = TensorDescriptor.from_tensor(w1, [1, tiles.block_r, tiles.block_n])
+        else:
+            grad_h_src, w1_src = grad_h, w1
         launch(_moe_grad_input_kernel, (num_pid_m * cdiv(k, tiles.block_n),),
-               grad_h, w1, partial, sorted_ids, expert_ids, num_post_padded, grad_slots, grad_weights, s1,
+               grad_h_src, w1_src, partial, sorted_ids, expert_ids, num_post_padded, grad_slots, grad_weights, s1,
                m * topk, w1_rows, k, partial.shape[1], num_pid_m,
                grad_h.stride(0), *w1.stride(), grad_slots.stride(0), partial.stride(0), *scale_strides(s1),
                BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK,
                PRECISION="ieee" if fp32 else "tf32", FP8_W=weight_scales is not None,
                SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
                SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,
-               GROUP_M=row_group(block_m * w1_rows * grad_h.element_size()), num_warps=tiles.num_warps,
+               GROUP_M=row_group(block_m * w1_rows * grad_h.element_size()), TMA=tma, num_warps=tiles.num_warps,
                num_stages=backward_stages(tiles.num_stages, fp32, weight_scales is not None))
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,
