@@ -13,7 +13,7 @@ import triton
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.moe_grad_act import ActTiles, act_tiles, grad_block_m, moe_grad_act
 from tmoe.kernels.moe_grad_input import InputTiles, moe_grad_input
-from tmoe.kernels.moe_grad_weight import WeightTiles, moe_grad_weight
+from tmoe.kernels.moe_grad_weight import WeightTiles, moe_grad_weight, weight_tiles
 
 SHAPES = {"qwen3-30b-a3b": (128, 768, 2048, 8), "mixtral-8x7b": (8, 14336, 4096, 2),
           "deepseek-v3": (256, 2048, 7168, 8)}
@@ -79,10 +79,10 @@ def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS, block_ms: t
             continue  # the weight GEMMs walk each expert's rows: the align block does not matter
         dw1 = [(t, _time(lambda t=t: moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, e, tokens_left=False,
                                                       scale_tokens=False, row_align=block_m, tiles=t))) for t in WEIGHT]
-        _best("moe_grad_weight dW1", dw1, WeightTiles(), 2.0 * m * topk * 2 * n * k)
+        _best("moe_grad_weight dW1", dw1, weight_tiles(m * topk, e), 2.0 * m * topk * 2 * n * k)
         dw2 = [(t, _time(lambda t=t: moe_grad_weight(go, inter, tw, sorted_ids, offsets, e, tokens_left=True,
                                                       scale_tokens=False, row_align=block_m, tiles=t))) for t in WEIGHT]
-        _best("moe_grad_weight dW2", dw2, WeightTiles(), 2.0 * m * topk * n * k)
+        _best("moe_grad_weight dW2", dw2, weight_tiles(m * topk, e), 2.0 * m * topk * n * k)
 
 
 def main() -> None:

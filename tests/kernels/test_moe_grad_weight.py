@@ -13,7 +13,8 @@ from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TILES = {"tma": WeightTiles(32, 32, 32, 4, 2), "pointer": WeightTiles(32, 32, 32, 4, 2, tma=False)}
+TILES = {"tma": WeightTiles(32, 32, 32, 4, 2), "tma-wide": WeightTiles(32, 64, 32, 4, 2),
+         "pointer": WeightTiles(32, 32, 32, 4, 2, tma=False)}
 
 
 def _problem(m: int, e: int, p_dim: int, q_dim: int, topk: int, routing: str, block_m: int, remote: bool,
@@ -75,7 +76,7 @@ def test_weight_gradient_matches_float64(path, tokens_left, scale_tokens, m, e, 
     left, right = (tokens, aligned) if tokens_left else (aligned, tokens)
     out = moe_grad_weight(left, right, tw, sorted_ids, offsets, e_local, tokens_left=tokens_left,
                           scale_tokens=scale_tokens, row_align=block_m, expert_map=emap, tiles=TILES[path])
-    kernel = "_moe_grad_weight_tma_kernel" if path == "tma" else "_moe_grad_weight_kernel"
+    kernel = "_moe_grad_weight_kernel" if path == "pointer" else "_moe_grad_weight_tma_kernel"
     assert launched[-1] == kernel, launched
     assert not out.isnan().any()
     ref = _reference(tokens, aligned, tw, sorted_ids, local, e_local, tokens_left, scale_tokens)
@@ -99,5 +100,5 @@ def test_scaled_token_rows_round_once_as_on_the_pointer_path():
     twice, or not at all, would differ at bf16's)."""
     tokens, aligned, tw, sorted_ids, offsets, _, _ = _problem(41, 4, 64, 32, 2, "skewed", 64, False, torch.bfloat16)
     outs = [moe_grad_weight(aligned, tokens, tw, sorted_ids, offsets, 4, tokens_left=False, scale_tokens=True,
-                            row_align=64, tiles=t) for t in TILES.values()]
+                            row_align=64, tiles=TILES[path]) for path in ("tma", "pointer")]
     assert_close(outs[0], outs[1], torch.float32, name="dW1 (TMA vs pointer)")

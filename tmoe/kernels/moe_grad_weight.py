@@ -56,6 +56,14 @@ class WeightTiles:
     tma: bool = True
 
 
+def weight_tiles(num_slots: int, num_experts: int) -> WeightTiles:
+    """``moe_grad_weight``'s tiles from the mean rows per expert (H100 sweep, ``bench/repro_grad_tiles.py``):
+    128 x 256 output tiles where each expert sums at least 512 rows (Mixtral-8x7B M = 16384: dW1
+    1.24x, dW2 1.32x over 128 x 128), 128 x 128 below (DeepSeek-V3 M = 4096, 128 rows: 1.15x more
+    tiles in flight)."""
+    return WeightTiles(block_q=256) if num_slots >= 512 * num_experts else WeightTiles()
+
+
 @triton.jit
 def _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP: tl.constexpr):
     """(local id int64, first row, end row) of global expert ``e``'s aligned rows; local -1 when
@@ -205,7 +213,7 @@ def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
     expert_offsets: torch.Tensor, num_local_experts: int, *, tokens_left: bool, scale_tokens: bool,
     row_align: int, expert_map: torch.Tensor | None = None, transposed: bool = False,
-    tiles: WeightTiles = WeightTiles(),
+    tiles: WeightTiles | None = None,
 ) -> torch.Tensor:
     """dW (E_local, P_DIM, Q_DIM) in ``left``'s dtype.
 
@@ -221,7 +229,7 @@ def moe_grad_weight(
         transposed: dW in the layout of a weight stored transposed, (E_local, Q_DIM, P_DIM) in memory
             and returned as its (E_local, P_DIM, Q_DIM) view, so autograd hands it to the parameter
             without a transposing copy.
-        tiles: the tiles, and whether to take the TMA path where it fits.
+        tiles: the tiles, and whether to take the TMA path where it fits (default ``weight_tiles``).
 
     On the TMA path a (P, ·) workspace holds the token operand in aligned-row order (times the
     router weights when ``scale_tokens``) while the GEMM runs.
@@ -235,6 +243,7 @@ def moe_grad_weight(
         grad_w = make((num_local_experts, p_dim, q_dim), dtype=left.dtype, device=left.device)
     if num_local_experts == 0 or p_dim == 0 or q_dim == 0:
         return grad_w
+    tiles = tiles or weight_tiles(topk_weights.numel(), num_experts)
     fp32 = left.dtype == torch.float32
     grid = (num_experts * cdiv(p_dim, tiles.block_p) * cdiv(q_dim, tiles.block_q),)
     common = dict(expert_offsets_ptr=expert_offsets,
