@@ -2,10 +2,15 @@
 moe_grad_weight (dW1 and dW2) under candidate tiles at the Qwen3-30B-A3B, Mixtral-8x7B and
 DeepSeek-V3 layer shapes (bf16, random top-k routing) and prints each kernel's best beside the
 shipped tiles' time. GPU only:
-``python bench/repro_grad_tiles.py [--ms 4096] [--shapes ...] [--kernels act input weight]``."""
+``python bench/repro_grad_tiles.py [--ms 4096] [--shapes ...] [--kernels act input weight] [--out CSV]``
+(``--out`` appends one row per kernel and candidate: FIELDS)."""
 from __future__ import annotations
 
 import argparse
+import csv
+import datetime
+import subprocess
+from pathlib import Path
 
 import torch
 import triton
@@ -31,6 +36,8 @@ WEIGHT = [WeightTiles(tma=False), WeightTiles(128, 256, 64, 8, 3, tma=False), We
           WeightTiles(128, 128, 32, 8, 5), WeightTiles(128, 256, 32, 8, 4), WeightTiles(128, 128, 64, 4, 3),
           WeightTiles(128, 128, 64, 8, 3, group_p=16)]
 KERNELS = ("act", "input", "weight")
+FIELDS = ["date", "gpu", "torch", "triton", "commit", "shape", "M", "block_m", "op", "tiles", "us"]
+ROWS: list[list] = []  # (shape, M, block_m, op, tiles, µs) of every timed candidate
 
 
 def _time(fn) -> float:
@@ -41,10 +48,13 @@ def _time(fn) -> float:
         return float("inf")
 
 
-def _best(name: str, results: list[tuple[object, float]], default: object, flops: float = 0.0) -> None:
+def _best(name: str, results: list[tuple[object, float]], default: object, flops: float = 0.0,
+          where: tuple = ()) -> None:
+    """Print every candidate and the best beside the shipped tiles; keep the rows (``where``: shape, M, block_m)."""
     timed = dict(results)
     for tiles, us in results:
         print(f"    {us:9.1f} µs  {tiles}")
+        ROWS.append([*where, name.split(" block_m")[0], repr(tiles), f"{us:.1f}"])
     tiles, us = min(results, key=lambda r: r[1])
     base = timed.get(default, float("nan"))
     rate = f" ({flops / us / 1e6:.0f} TFLOP/s)" if flops else ""
@@ -69,20 +79,20 @@ def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS, block_ms: t
         route = (topk, sorted_ids, expert_ids, npp)
         if "act" in kernels:
             act = [(t, _time(lambda t=t: moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m, tiles=t))) for t in ACT]
-            _best(f"moe_grad_act block_m={block_m}", act, act_tiles(block_m))
+            _best(f"moe_grad_act block_m={block_m}", act, act_tiles(block_m), where=(name, m, block_m))
         grad_h, inter, partial = moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m)
         if "input" in kernels:
             inp = [(t, _time(lambda t=t: moe_grad_input(grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, e,
                                                          block_m=block_m, tiles=t))) for t in INPUT]
-            _best(f"moe_grad_input block_m={block_m}", inp, InputTiles())
+            _best(f"moe_grad_input block_m={block_m}", inp, InputTiles(), where=(name, m, block_m))
         if block_m != (block_ms or (grad_block_m(e),))[0] or "weight" not in kernels:
             continue  # the weight GEMMs walk each expert's rows: the align block does not matter
         dw1 = [(t, _time(lambda t=t: moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, e, tokens_left=False,
                                                       scale_tokens=False, row_align=block_m, tiles=t))) for t in WEIGHT]
-        _best("moe_grad_weight dW1", dw1, weight_tiles(m * topk, e), 2.0 * m * topk * 2 * n * k)
+        _best("moe_grad_weight dW1", dw1, weight_tiles(m * topk, e), 2.0 * m * topk * 2 * n * k, (name, m, block_m))
         dw2 = [(t, _time(lambda t=t: moe_grad_weight(go, inter, tw, sorted_ids, offsets, e, tokens_left=True,
                                                       scale_tokens=False, row_align=block_m, tiles=t))) for t in WEIGHT]
-        _best("moe_grad_weight dW2", dw2, weight_tiles(m * topk, e), 2.0 * m * topk * n * k)
+        _best("moe_grad_weight dW2", dw2, weight_tiles(m * topk, e), 2.0 * m * topk * n * k, (name, m, block_m))
 
 
 def main() -> None:
@@ -92,11 +102,24 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS)
     parser.add_argument("--block-ms", type=int, nargs="*", default=[],
                         help="align blocks of moe_grad_act and moe_grad_input (default: the shipped grad_block_m)")
+    parser.add_argument("--out", type=Path, default=None, help="append the rows to this CSV")
+    parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = parser.parse_args()
     for m in args.ms:
         for name in args.shapes:
             run_shape(name, m, tuple(args.kernels), tuple(args.block_ms))
             torch.cuda.empty_cache()
+    if args.out:
+        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                               text=True).stdout.strip()
+        meta = [datetime.datetime.now().isoformat(timespec="seconds"), torch.cuda.get_device_name(),
+                torch.__version__, triton.__version__, commit]
+        new = not args.out.exists()
+        with args.out.open("a", newline="") as f:
+            writer = csv.writer(f)
+            if new:
+                writer.writerow(FIELDS)
+            writer.writerows([*meta, *row] for row in ROWS)
 
 
 if __name__ == "__main__":
