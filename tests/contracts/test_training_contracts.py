@@ -4,6 +4,7 @@ before any launch, naming what is unsupported."""
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tmoe
 from tmoe.modular.call import LayerArgs
@@ -189,6 +190,21 @@ def test_fp8_backward_ops_name_bad_scales(monkeypatch):
     with pytest.raises(TypeError, match="w1_scale must be a torch.Tensor"):
         ops.moe_grad_act(*args[:-3], None, s2, [64, 64])
     assert q1.dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("block_m", [0, 48, -64])
+def test_weight_gradient_op_names_a_bad_block_m(block_m, monkeypatch):
+    """moe_grad_weight's align block is checked (a positive power of two) before any launch, in the
+    op and in its fake."""
+    import tmoe.kernels.moe_grad_weight as grad_weight
+
+    monkeypatch.setattr(grad_weight, "launch", lambda *a, **k: pytest.fail("a kernel launched"))
+    args = list(_backward_cases()["moe_grad_weight_w2"][1])
+    args[8] = block_m
+    with pytest.raises(ValueError, match=f"block_m must be the align's block size, a power of two; got {block_m}"):
+        torch.ops.tmoe.moe_grad_weight(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(ValueError, match="block_m must be"):
+        torch.ops.tmoe.moe_grad_weight(*args)
 
 
 def test_alltoall_backward_needs_the_expert_map():

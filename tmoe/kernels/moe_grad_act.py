@@ -35,7 +35,7 @@ from tmoe.kernels.activation import Activation
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.operands import BlockScales, Routing, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
-from tmoe.kernels.sorted_rows import sorted_rows
+from tmoe.kernels.sorted_rows import aligned_copy
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 
@@ -290,14 +290,15 @@ def moe_grad_act(
     tma = tiles.tma and weight_scales is None and tma_operands_fit(x, w1, w2, activation)
     if tma:  # grad_out and x rows copied into aligned order (padding rows zero), every operand by TMA
         routing = Routing(sorted_ids, expert_ids, num_post_padded, num_slots, topk)
-        go_src, x_src = (TensorDescriptor.from_tensor(_aligned_rows(t, routing), [block_m, block_k])
+        go_src, x_src = (TensorDescriptor.from_tensor(aligned_copy(t, routing), [block_m, block_k])
                          for t in (grad_out, x))
         w1_src = TensorDescriptor.from_tensor(w1, [1, tiles.block_n, block_k])
         w2_src = TensorDescriptor.from_tensor(w2, [1, block_k, tiles.block_n])
     else:
         go_src, x_src, w1_src, w2_src = grad_out, x, w1, w2
     launch(_moe_grad_act_kernel, (num_pid_m * num_pid_n,),
-           go_src, x_src, w1_src, w2_src, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, grad_h, inter, partial,
+           go_src, x_src, w1_src, w2_src, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, grad_h, inter,
+           partial,
            s1, s2, num_slots, n, k, alpha, limit, num_pid_m,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
            b1.stride(0), b2.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
@@ -320,9 +321,3 @@ def tma_operands_fit(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activa
     rows not interleaved."""
     return (not activation.interleaved and x.shape[1] * x.element_size() % 16 == 0
             and tma_addressable(w1) and tma_addressable(w2))
-
-
-def _aligned_rows(t: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """(P, K) contiguous: the token rows of ``t`` (M, K) in aligned-row order, padding rows zero."""
-    out = torch.empty((routing.sorted_token_ids.shape[0], t.shape[1]), dtype=t.dtype, device=t.device)
-    return sorted_rows(t if t.stride(-1) == 1 else t.contiguous(), routing, out)  # grad_out may be expanded

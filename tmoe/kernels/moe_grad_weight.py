@@ -34,7 +34,7 @@ from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.operands import Routing
 from tmoe.kernels.sizes import backward_stages, cdiv
-from tmoe.kernels.sorted_rows import sorted_rows
+from tmoe.kernels.sorted_rows import aligned_copy
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 
@@ -76,6 +76,29 @@ def _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_M
 
 
 @triton.jit
+def _weight_tile(expert_offsets_ptr, expert_map_ptr, P_DIM, Q_DIM, num_local_experts, BLOCK_P: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr, HAS_MAP: tl.constexpr):
+    """(local expert (-1 remote), first row, end row, pid_p, pid_q) of this program: experts in
+    order, each expert's output tiles in grouped order (``GROUP_P`` row blocks sweep the columns)."""
+    num_pid_p = tl.cdiv(P_DIM, BLOCK_P)
+    num_pid_q = tl.cdiv(Q_DIM, BLOCK_Q)
+    e = (tl.program_id(0) // (num_pid_p * num_pid_q)).to(tl.int64)
+    pid_p, pid_q = tile_ids(tl.program_id(0) % (num_pid_p * num_pid_q), num_pid_p, num_pid_q, GROUP_P)
+    local, start, end = _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP)
+    return local, start, end, pid_p, pid_q
+
+
+@triton.jit
+def _store_weight_tile(acc, out_ptr, local, pid_p, pid_q, P_DIM, Q_DIM, stride_oe, stride_op, stride_oq,
+                       BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Write the [BP, BQ] float32 tile ``acc`` of local expert ``local``'s dW in out's dtype."""
+    offs_p = pid_p.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
+    offs_q = pid_q.to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
+    tl.store(out_ptr + local * stride_oe + offs_p[:, None] * stride_op + offs_q[None, :] * stride_oq,
+             acc.to(out_ptr.dtype.element_ty), mask=(offs_p < P_DIM)[:, None] & (offs_q < Q_DIM)[None, :])
+
+
+@triton.jit
 def _row_block(r0, end, sorted_ids_ptr, num_slots, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
     """(aligned rows, slots, valid, tokens) [BR] int64 of the row block at ``r0`` (rows at or past
     ``end`` and padding slots invalid, their token 0)."""
@@ -100,11 +123,8 @@ def _moe_grad_weight_kernel(
     TOKENS_LEFT: tl.constexpr, SCALE_TOKENS: tl.constexpr, HAS_MAP: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_P: tl.constexpr,
 ):
-    num_pid_p = tl.cdiv(P_DIM, BLOCK_P)
-    num_pid_q = tl.cdiv(Q_DIM, BLOCK_Q)
-    e = (tl.program_id(0) // (num_pid_p * num_pid_q)).to(tl.int64)
-    pid_p, pid_q = tile_ids(tl.program_id(0) % (num_pid_p * num_pid_q), num_pid_p, num_pid_q, GROUP_P)
-    local, start, end = _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP)
+    local, start, end, pid_p, pid_q = _weight_tile(expert_offsets_ptr, expert_map_ptr, P_DIM, Q_DIM, num_local_experts,
+                                                   BLOCK_P, BLOCK_Q, GROUP_P, HAS_MAP)
     if local < 0:  # remote: another rank owns its gradient
         return
     offs_p = pid_p.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
@@ -129,8 +149,8 @@ def _moe_grad_weight_kernel(
             else:
                 rt = (rt.to(tl.float32) * w).to(right_ptr.dtype.element_ty)
         acc = tl.dot(tl.trans(lt), rt, acc, input_precision=PRECISION)  # [BP, BQ]
-    tl.store(out_ptr + local * stride_oe + offs_p[:, None] * stride_op + offs_q[None, :] * stride_oq,
-             acc.to(out_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_q[None, :])
+    _store_weight_tile(acc, out_ptr, local, pid_p, pid_q, P_DIM, Q_DIM, stride_oe, stride_op, stride_oq, BLOCK_P,
+                       BLOCK_Q)
 
 
 @triton.jit
@@ -147,11 +167,8 @@ def _moe_grad_weight_tma_kernel(
     """``_moe_grad_weight_kernel`` with both operands in aligned-row order (the token operand
     copied there by ``sorted_rows``), each row block loaded whole by TMA: no masks, no gathers,
     padding rows (zeros) summed in. Same tile order, same row-block order."""
-    num_pid_p = tl.cdiv(P_DIM, BLOCK_P)
-    num_pid_q = tl.cdiv(Q_DIM, BLOCK_Q)
-    e = (tl.program_id(0) // (num_pid_p * num_pid_q)).to(tl.int64)
-    pid_p, pid_q = tile_ids(tl.program_id(0) % (num_pid_p * num_pid_q), num_pid_p, num_pid_q, GROUP_P)
-    local, start, end = _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP)
+    local, start, end, pid_p, pid_q = _weight_tile(expert_offsets_ptr, expert_map_ptr, P_DIM, Q_DIM, num_local_experts,
+                                                   BLOCK_P, BLOCK_Q, GROUP_P, HAS_MAP)
     if local < 0:  # remote: another rank owns its gradient
         return
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
@@ -159,10 +176,8 @@ def _moe_grad_weight_tma_kernel(
         lt = left_desc.load([r0, pid_p * BLOCK_P])  # [BR, BP]
         rt = right_desc.load([r0, pid_q * BLOCK_Q])  # [BR, BQ]
         acc = tl.dot(lt.T, rt, acc, input_precision=PRECISION)  # [BP, BQ]
-    offs_p = pid_p.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
-    offs_q = pid_q.to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
-    tl.store(out_ptr + local * stride_oe + offs_p[:, None] * stride_op + offs_q[None, :] * stride_oq,
-             acc.to(out_ptr.dtype.element_ty), mask=(offs_p < P_DIM)[:, None] & (offs_q < Q_DIM)[None, :])
+    _store_weight_tile(acc, out_ptr, local, pid_p, pid_q, P_DIM, Q_DIM, stride_oe, stride_op, stride_oq, BLOCK_P,
+                       BLOCK_Q)
 
 
 @triton.jit(do_not_specialize=['num_slots'])
@@ -247,15 +262,17 @@ def moe_grad_weight(
     fp32 = left.dtype == torch.float32
     grid = (num_experts * cdiv(p_dim, tiles.block_p) * cdiv(q_dim, tiles.block_q),)
     common = dict(expert_offsets_ptr=expert_offsets,
-                  expert_map_ptr=expert_map if expert_map is not None else expert_offsets, out_ptr=grad_w, P_DIM=p_dim, Q_DIM=q_dim, num_local_experts=num_local_experts,
+                  expert_map_ptr=expert_map if expert_map is not None else expert_offsets, out_ptr=grad_w,
+                  P_DIM=p_dim, Q_DIM=q_dim, num_local_experts=num_local_experts,
                   stride_oe=grad_w.stride(0), stride_op=grad_w.stride(1), stride_oq=grad_w.stride(2),
                   BLOCK_P=tiles.block_p, BLOCK_Q=tiles.block_q, BLOCK_R=tiles.block_r, HAS_MAP=expert_map is not None,
                   PRECISION="ieee" if fp32 else "tf32", GROUP_P=tiles.group_p, num_warps=tiles.num_warps,
                   num_stages=backward_stages(tiles.num_stages, fp32))
     aligned = right if tokens_left else left
     if sorted_ids.shape[0] and sorted_operands_fit(left, right, row_align, tiles) and tma_addressable(aligned):
-        tokens = _sorted_tokens(left if tokens_left else right, topk_weights, sorted_ids, expert_offsets,
-                                scale_tokens)
+        # the copy reads no expert ids; expert_offsets[E] is the padded row count, the rows the GEMM reads
+        routing = Routing(sorted_ids, expert_offsets, expert_offsets[-1:], topk_weights.numel(), topk_weights.shape[1])
+        tokens = aligned_copy(left if tokens_left else right, routing, topk_weights if scale_tokens else None)
         left, right = (tokens, right) if tokens_left else (left, tokens)
         launch(_moe_grad_weight_tma_kernel, grid,
                left_desc=TensorDescriptor.from_tensor(left, [tiles.block_r, tiles.block_p]),
@@ -267,17 +284,6 @@ def moe_grad_weight(
            stride_rm=right.stride(0), stride_rk=right.stride(1), TOPK=topk_weights.shape[1], TOKENS_LEFT=tokens_left,
            SCALE_TOKENS=scale_tokens, **common)
     return grad_w
-
-
-def _sorted_tokens(tokens: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
-                   expert_offsets: torch.Tensor, scale_tokens: bool) -> torch.Tensor:
-    """(P, D) contiguous: token rows (M, D) at the slots of ``sorted_ids``, padding rows zero,
-    times the slot's router weight when ``scale_tokens`` (rounded once, as the pointer path does)."""
-    out = torch.empty((sorted_ids.shape[0], tokens.shape[1]), dtype=tokens.dtype, device=tokens.device)
-    tokens = tokens if tokens.stride(-1) == 1 else tokens.contiguous()  # autograd may hand an expanded grad_out
-    # expert_offsets[E] is the padded row count: the rows the GEMM reads
-    routing = Routing(sorted_ids, expert_offsets, expert_offsets[-1:], topk_weights.numel(), topk_weights.shape[1])
-    return sorted_rows(tokens, routing, out, row_weights=topk_weights if scale_tokens else None)
 
 
 BIAS_BLOCK_P, BIAS_BLOCK_R = 128, 64

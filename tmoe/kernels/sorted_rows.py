@@ -81,7 +81,8 @@ def sorted_rows(
     block_k = min(next_power_of_2(k), 512 if x.element_size() == 1 else 256)
     return Launch(_sorted_rows_kernel, (cdiv(em, ROWS_PER_PROGRAM),), dict(
         x_ptr=x, out_ptr=out, x_scale_ptr=x_scale if has_scale else x, out_scale_ptr=out_scale if has_scale else out,
-        row_weights_ptr=row_weights if row_weights is not None else out, sorted_ids_ptr=routing.sorted_token_ids, num_post_padded_ptr=routing.num_tokens_post_padded,
+        row_weights_ptr=row_weights if row_weights is not None else out,
+        sorted_ids_ptr=routing.sorted_token_ids, num_post_padded_ptr=routing.num_tokens_post_padded,
         num_slots=routing.num_slots, a_row_div=routing.a_row_div, K=k, S=s,
         stride_xm=x.stride(0), stride_om=out.stride(0),
         stride_xsm=x_scale.stride(0) if has_scale else 0, stride_xss=x_scale.stride(-1) if has_scale else 0,
@@ -89,3 +90,12 @@ def sorted_rows(
         BLOCK_R=ROWS_PER_PROGRAM, BLOCK_K=block_k, BLOCK_S=next_power_of_2(s), HAS_SCALE=has_scale,
         WEIGHTED=row_weights is not None, num_warps=4,
     ), out)
+
+
+def aligned_copy(t: torch.Tensor, routing: Routing, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """(EM, D) contiguous, new: the rows of ``t`` (rows, D) (any strides) in ``routing``'s order
+    through ``sorted_rows``, padding rows zero, each times its slot's weight with ``row_weights``.
+    The backward's TMA paths load their token operands from it."""
+    out = torch.empty((routing.sorted_token_ids.shape[0], t.shape[1]), dtype=t.dtype, device=t.device)
+    t = t if t.stride(-1) == 1 else t.contiguous()  # autograd may hand an expanded grad_out
+    return sorted_rows(t, routing, out, row_weights=row_weights)

@@ -108,8 +108,10 @@ def moe_grad_weight(
     expert_offsets: torch.Tensor, num_local_experts: int, tokens_left: bool, scale_tokens: bool, block_m: int,
     expert_map: torch.Tensor | None, transposed: bool = False,
 ) -> torch.Tensor:
-    """dW (E_local, P_DIM, Q_DIM): see ``tmoe.kernels.moe_grad_weight`` (``block_m``: the align's
-    block size; ``transposed``: strided as the transpose of a contiguous (E_local, Q_DIM, P_DIM))."""
+    """dW (E_local, P_DIM, Q_DIM): see ``tmoe.kernels.moe_grad_weight`` (``block_m``: the block size
+    of the align that made ``sorted_token_ids`` and ``expert_offsets``; ``transposed``: strided as the
+    transpose of a contiguous (E_local, Q_DIM, P_DIM))."""
+    _check_block_m(block_m)
     return _grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
                         tokens_left=tokens_left, scale_tokens=scale_tokens, row_align=block_m, expert_map=expert_map,
                         transposed=transposed)
@@ -118,10 +120,17 @@ def moe_grad_weight(
 @moe_grad_weight.register_fake
 def _(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts, tokens_left, scale_tokens,
       block_m, expert_map, transposed=False):
+    _check_block_m(block_m)
     p_dim, q_dim = left.shape[1], right.shape[1]
     if transposed:
         return left.new_empty((num_local_experts, q_dim, p_dim)).transpose(1, 2)
     return left.new_empty((num_local_experts, p_dim, q_dim))
+
+
+def _check_block_m(block_m: int) -> None:
+    """An align block is a positive power of two (the TMA path tiles each expert's run by it)."""
+    if not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be the align's block size, a power of two; got {block_m}")
 
 
 @torch.library.custom_op("tmoe::moe_grad_bias", mutates_args=())
