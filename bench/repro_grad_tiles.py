@@ -23,10 +23,14 @@ from tmoe.kernels.moe_grad_weight import WeightTiles, moe_grad_weight, weight_ti
 SHAPES = {"qwen3-30b-a3b": (128, 768, 2048, 8), "mixtral-8x7b": (8, 14336, 4096, 2),
           "deepseek-v3": (256, 2048, 7168, 8)}
 # tma=False: rows gathered and weights read by pointers; the others load every operand by TMA (moe_grad_act
-# from aligned-row copies of grad_out and x)
+# from aligned-row copies of grad_out and x); ActTiles(block_n, block_k, num_warps, num_stages)
 ACT = [ActTiles(128, 64, 8, 3, tma=False), ActTiles(128, 32, 8, 4, tma=False), ActTiles(64, 64, 8, 3),
        ActTiles(64, 64, 8, 4), ActTiles(128, 64, 8, 3), ActTiles(128, 32, 8, 4), ActTiles(64, 64, 4, 3),
-       ActTiles(64, 32, 4, 4), ActTiles(64, 128, 8, 3), ActTiles(128, 64, 8, 4)]
+       ActTiles(64, 32, 4, 4), ActTiles(64, 128, 8, 3), ActTiles(128, 64, 8, 4),
+       # g_first: g = go @ w2 as its own GEMM first, then the two dots of the recomputed pre-activation
+       ActTiles(64, 64, 8, 3, g_first=True), ActTiles(64, 64, 8, 4, g_first=True), ActTiles(128, 64, 8, 3, g_first=True),
+       ActTiles(128, 32, 8, 4, g_first=True), ActTiles(64, 64, 4, 3, g_first=True),
+       ActTiles(64, 64, 8, 3, tma=False, g_first=True), ActTiles(128, 64, 8, 3, tma=False, g_first=True)]
 INPUT = [InputTiles(tma=False), InputTiles(), InputTiles(128, 64, 4, 3), InputTiles(128, 64, 8, 3),
          InputTiles(256, 64, 8, 4), InputTiles(128, 32, 4, 4), InputTiles(64, 64, 4, 4), InputTiles(256, 32, 8, 4),
          InputTiles(128, 128, 8, 3)]

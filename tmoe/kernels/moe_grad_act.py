@@ -18,6 +18,11 @@ N-contiguous, gate/up not interleaved), grad_out and x are first copied into ali
 (``sorted_rows``, padding rows zero) and every operand loads by TMA: the gathered rows' [BM, BK]
 pointer tensors of the other path spilled registers at 128-row blocks. Else rows are gathered
 through their tokens and the weights read by pointers (any strides, interleaved rows, fp8).
+``g_first`` (``ActTiles``): g is first computed for every aligned row as its own M-grouped GEMM
+(``moe_grad_input.sorted_input_grad`` on an aligned copy of grad_out: w2 read as stored) and
+rounded to x's dtype, as a torch autograd of the layer rounds it; the fused kernel's K loop then
+runs the two dots of the recomputed pre-activation alone (the forward's up GEMM, on wide tiles)
+and its epilogue loads g.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.gemm_args import tma_addressable
+from tmoe.kernels.moe_grad_input import sorted_input_grad
 from tmoe.kernels.operands import BlockScales, Routing, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.kernels.sorted_rows import aligned_copy
@@ -42,13 +48,15 @@ from tmoe.runtime.launch import launch
 @dataclass(frozen=True)
 class ActTiles:
     """Tiles of ``moe_grad_act``: BLOCK_N intermediate columns, BLOCK_K steps (rows: the align block);
-    ``tma``: take the TMA path where the operands allow it (``tma_operands_fit``)."""
+    ``tma``: take the TMA path where the operands allow it (``tma_operands_fit``); ``g_first``:
+    compute g = go @ w2 first, as its own GEMM (the module's docstring)."""
 
     block_n: int = 128
     block_k: int = 64
     num_warps: int = 8
     num_stages: int = 3
     tma: bool = True
+    g_first: bool = False
 
 
 def grad_block_m(num_experts: int) -> int:
@@ -78,6 +86,7 @@ def _moe_grad_act_kernel(
     sorted_ids_ptr,  # [P] int32 aligned slot ids, padding >= num_slots
     expert_ids_ptr,  # [P // BLOCK_M] int32, -1 remote
     num_post_padded_ptr,  # [1] int32
+    g_ptr,  # [P, N] aligned rows: g = go @ w2[e] (G_FIRST)
     grad_h_ptr,  # [P, W1_ROWS] out, aligned rows, w1's row order
     inter_ptr,  # [P, N] out, aligned rows: w * act(h) (ON_INPUT: act(h))
     partial_ptr,  # [P, NUM_PID_N] float32 out
@@ -85,13 +94,15 @@ def _moe_grad_act_kernel(
     s2_ptr,  # [E, cdiv(K, SCALE_R), cdiv(N, SCALE_C)] float32 (FP8_W)
     num_slots, N, K, alpha, limit, num_pid_m,
     stride_gm, stride_gk, stride_xm, stride_xk, stride_w1e, stride_w1r, stride_w1k, stride_w2e, stride_w2k,
-    stride_w2n, stride_b1e, stride_b2e, stride_hm, stride_im, stride_pm, stride_s1e, stride_s1r, stride_s1c,
+    stride_w2n, stride_b1e, stride_b2e, stride_g, stride_hm, stride_im, stride_pm, stride_s1e, stride_s1r, stride_s1c,
     stride_s2e, stride_s2r, stride_s2c,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACTIVATION: tl.constexpr, MUL: tl.constexpr, CLAMP: tl.constexpr, INTERLEAVED: tl.constexpr,
     ON_INPUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, PRECISION: tl.constexpr,
     FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
+    G_FIRST: tl.constexpr,
 ):
+    LOAD_GO: tl.constexpr = HAS_B2 or not G_FIRST  # g's dot, and <go, b2>
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     pid_m = pid_m.to(tl.int64)
     pid_n = pid_n.to(tl.int64)
@@ -142,10 +153,12 @@ def _moe_grad_act_kernel(
         mask_k = offs_k < K
         if TMA:  # aligned rows, whole blocks; rows and columns past the ends read zero
             e32 = expert.to(tl.int32)
-            go = grad_out_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
+            if LOAD_GO:
+                go = grad_out_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
             xt = x_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
-            w2t = w2_src.load([e32, k0, (pid_n * BLOCK_N).to(tl.int32)]).reshape(BLOCK_K, BLOCK_N)
-            acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
+            if not G_FIRST:
+                w2t = w2_src.load([e32, k0, (pid_n * BLOCK_N).to(tl.int32)]).reshape(BLOCK_K, BLOCK_N)
+                acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
             w1g = w1_src.load([e32, (pid_n * BLOCK_N).to(tl.int32), k0]).reshape(BLOCK_N, BLOCK_K)
             acc_gate = tl.dot(xt, w1g.T, acc_gate, input_precision=PRECISION)
             if MUL:
@@ -156,15 +169,17 @@ def _moe_grad_act_kernel(
             w2_base = w2_src + expert * stride_w2e + offs_n[None, :] * stride_w2n  # [1, BN]
             mask_a = mask_m[:, None] & mask_k[None, :]
             mask_b = mask_k[:, None] & mask_n[None, :]
-            go = tl.load(grad_out_src + tokens[:, None] * stride_gm + offs_k[None, :] * stride_gk, mask=mask_a,
-                         other=0.0)  # [BM, BK]
+            if LOAD_GO:
+                go = tl.load(grad_out_src + tokens[:, None] * stride_gm + offs_k[None, :] * stride_gk, mask=mask_a,
+                             other=0.0)  # [BM, BK]
             xt = tl.load(x_src + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_a,
                          other=0.0)  # [BM, BK]
-            w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
-            if FP8_W:  # frozen block-fp8 weights, dequantized in registers (w2's rows are K, w1's are 2N)
-                w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :], stride_s2r,
-                                    stride_s2c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
-            acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
+            if not G_FIRST:
+                w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
+                if FP8_W:  # frozen block-fp8 weights, dequantized in registers (w2's rows are K, w1's are 2N)
+                    w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :],
+                                        stride_s2r, stride_s2c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
+                acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
             if PAIRED:
                 mask_w = mask_k[:, None] & mask_pair[None, :]
                 w1p = tl.load(w1_base + pair_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_w,
@@ -190,6 +205,8 @@ def _moe_grad_act_kernel(
         if HAS_B2:
             b2 = tl.load(b2_ptr + expert * stride_b2e + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
             acc_b2 += tl.sum(go.to(tl.float32) * b2[None, :], axis=1)
+    if G_FIRST:  # rows of padding read zero
+        acc_g = tl.load(g_ptr + rows[:, None] * stride_g + offs_n[None, :], mask=mask_out, other=0.0).to(tl.float32)
     w = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM] float32
     if PAIRED:
         acc_gate, acc_up = tl.split(tl.reshape(acc_pair, (BLOCK_M, BLOCK_N, 2)))
@@ -288,24 +305,31 @@ def moe_grad_act(
     num_pid_m = cdiv(p, block_m)
     block_k = min(tiles.block_k, 32) if fp32 else tiles.block_k
     tma = tiles.tma and weight_scales is None and tma_operands_fit(x, w1, w2, activation)
+    routing = Routing(sorted_ids, expert_ids, num_post_padded, num_slots, topk)
+    go_rows = aligned_copy(grad_out, routing) if tma or tiles.g_first else None
+    if tiles.g_first:
+        g = sorted_input_grad(go_rows, w2, sorted_ids, expert_ids, num_post_padded, num_slots, block_m=block_m,
+                              weight_scale=weight_scales.w2_scale if weight_scales else None,
+                              block_shape=weight_scales.block_shape if weight_scales else None)
+    else:
+        g = inter  # not read
     if tma:  # grad_out and x rows copied into aligned order (padding rows zero), every operand by TMA
-        routing = Routing(sorted_ids, expert_ids, num_post_padded, num_slots, topk)
-        go_src, x_src = (TensorDescriptor.from_tensor(aligned_copy(t, routing), [block_m, block_k])
-                         for t in (grad_out, x))
+        go_src, x_src = (TensorDescriptor.from_tensor(rows, [block_m, block_k])
+                         for rows in (go_rows, aligned_copy(x, routing)))
         w1_src = TensorDescriptor.from_tensor(w1, [1, tiles.block_n, block_k])
         w2_src = TensorDescriptor.from_tensor(w2, [1, block_k, tiles.block_n])
     else:
         go_src, x_src, w1_src, w2_src = grad_out, x, w1, w2
     launch(_moe_grad_act_kernel, (num_pid_m * num_pid_n,),
-           go_src, x_src, w1_src, w2_src, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, grad_h, inter,
-           partial,
+           go_src, x_src, w1_src, w2_src, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, g, grad_h,
+           inter, partial,
            s1, s2, num_slots, n, k, alpha, limit, num_pid_m,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
-           b1.stride(0), b2.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
+           b1.stride(0), b2.stride(0), g.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
            *scale_strides(s1), *scale_strides(s2), FP8_W=weight_scales is not None,
            SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
            SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,
-           TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, TMA=tma,
+           TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, TMA=tma, G_FIRST=tiles.g_first,
            ACTIVATION=activation.name,
            MUL=activation.gated, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,

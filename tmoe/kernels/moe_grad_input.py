@@ -1,11 +1,14 @@
-"""Backward of the expert MLP to its input, and the router weights' gradients.
+"""Backward of an expert GEMM to its input, and the router weights' gradients.
 
-Per aligned row block of expert e (one program per BLOCK_M rows and BLOCK_N columns of K):
-    dx_s = dh_s @ w1[e]        (K)   an M-grouped GEMM with w1 read as stored (no transposed copy)
-written per slot, then summed over each token's top-k slots in a fixed order by the reduce stage
+Per aligned row block of expert e (one program per BLOCK_M rows and BLOCK_N output columns):
+    da_s = d_s @ w[e]          an M-grouped GEMM with w (E, R, C) read as stored (no transposed copy)
+``moe_grad_input`` runs it on the up GEMM (d = dh (P, 2N), w = w1, da = dx (K)): written per slot,
+then summed over each token's top-k slots in a fixed order by the reduce stage
 (``tmoe.kernels.reduce.moe_reduce``; apply_router_weight_on_input multiplies by the router weight
-there). The programs of the first column block also sum each row's partial router-weight
-gradients (``moe_grad_act``) in a fixed order. No atomics: deterministic. Tiles run in grouped
+there); the programs of the first column block also sum each row's partial router-weight
+gradients (``moe_grad_act``) in a fixed order. ``sorted_input_grad`` runs it on the down GEMM
+(d = grad_out's rows in aligned order, w = w2, da (P, N) in aligned order: ``moe_grad_act``'s
+``g_first`` path). No atomics: deterministic. Tiles run in grouped
 order (``sizes.row_group`` row blocks sweep the column blocks together), so each row block's dh is
 read from memory about once, not once per column block. Where TMA can address dh and w1 (float
 w1 with K contiguous; ``InputTiles.tma``), both load by TMA descriptors: dh's rows are one
@@ -49,18 +52,18 @@ class InputTiles:
 def _moe_grad_input_kernel(
     grad_h_src,  # [P, W1_ROWS] aligned rows (TMA: its descriptor, block [BLOCK_M, BLOCK_R])
     w1_src,  # [E, W1_ROWS, K] (TMA: its descriptor, block [1, BLOCK_R, BLOCK_N])
-    partial_ptr,  # [P, num_parts] float32
+    partial_ptr,  # [P, num_parts] float32 (ROUTER_GRAD)
     sorted_ids_ptr,  # [P] int32
     expert_ids_ptr,  # [P // BLOCK_M] int32, -1 remote
     num_post_padded_ptr,  # [1] int32
-    grad_slots_ptr,  # [num_slots, K] out
-    grad_weights_ptr,  # [num_slots] float32 out (zero-filled by the launcher)
+    grad_slots_ptr,  # [num_slots, K] out (SORTED_OUT: [P, K], aligned rows)
+    grad_weights_ptr,  # [num_slots] float32 out, zero-filled by the launcher (ROUTER_GRAD)
     s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s)
     num_slots, W1_ROWS, K, num_parts, num_pid_m,
     stride_hm, stride_w1e, stride_w1r, stride_w1k, stride_sm, stride_pm, stride_s1e, stride_s1r, stride_s1c,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
-    GROUP_M: tl.constexpr, TMA: tl.constexpr,
+    GROUP_M: tl.constexpr, TMA: tl.constexpr, ROUTER_GRAD: tl.constexpr, SORTED_OUT: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
     pid_m = pid_m.to(tl.int64)
@@ -70,14 +73,15 @@ def _moe_grad_input_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     slots = tl.load(sorted_ids_ptr + rows).to(tl.int64)
     mask_m = slots < num_slots
-    if pid_n == 0:  # the router weights' gradient: the row's partials, in column-block order
-        acc_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for c0 in range(0, num_parts, PARTS_BLOCK):
-            offs_c = c0 + tl.arange(0, PARTS_BLOCK)
-            part = tl.load(partial_ptr + rows[:, None] * stride_pm + offs_c[None, :],
-                           mask=offs_c[None, :] < num_parts, other=0.0)  # [BM, PB]
-            acc_w += tl.sum(part, axis=1)
-        tl.store(grad_weights_ptr + slots, acc_w, mask=mask_m)
+    if ROUTER_GRAD:
+        if pid_n == 0:  # the router weights' gradient: the row's partials, in column-block order
+            acc_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for c0 in range(0, num_parts, PARTS_BLOCK):
+                offs_c = c0 + tl.arange(0, PARTS_BLOCK)
+                part = tl.load(partial_ptr + rows[:, None] * stride_pm + offs_c[None, :],
+                               mask=offs_c[None, :] < num_parts, other=0.0)  # [BM, PB]
+                acc_w += tl.sum(part, axis=1)
+            tl.store(grad_weights_ptr + slots, acc_w, mask=mask_m)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert < 0:  # remote: the reduce never reads these slots
         return
@@ -100,8 +104,70 @@ def _moe_grad_input_kernel(
                 w = dequant_block(w, s1_ptr + expert * stride_s1e, offs_r[:, None], offs_n[None, :], stride_s1r,
                                   stride_s1c, mask_w, SCALE_R, SCALE_C, grad_h_src.dtype.element_ty)
         acc = tl.dot(dh, w, acc, input_precision=PRECISION)
-    tl.store(grad_slots_ptr + slots[:, None] * stride_sm + offs_n[None, :],
-             acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if SORTED_OUT:  # every row of the block (padding rows: zero rows of d give zeros)
+        tl.store(grad_slots_ptr + rows[:, None] * stride_sm + offs_n[None, :],
+                 acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_n[None, :])
+    else:
+        tl.store(grad_slots_ptr + slots[:, None] * stride_sm + offs_n[None, :],
+                 acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _launch(
+    d: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_post_padded: torch.Tensor, num_slots: int, block_m: int, tiles: InputTiles,
+    scale: torch.Tensor | None, block_shape: tuple[int, int] | None, partial: torch.Tensor | None = None,
+    grad_weights: torch.Tensor | None = None,
+) -> None:
+    """da = d @ w[e] per aligned row block into ``out``: rows = slots, or aligned rows when no
+    ``partial`` is given (then no router-weight gradient either). ``scale``/``block_shape``: a
+    frozen block-fp8 ``w``'s scales."""
+    p, (rows_w, cols) = d.shape[0], w.shape[1:]
+    if p == 0:
+        return
+    fp32 = d.dtype == torch.float32
+    router_grad = partial is not None
+    num_pid_m = cdiv(p, block_m)
+    tma = tiles.tma and scale is None and tma_addressable(d) and tma_addressable(w)
+    if tma:
+        d_src = TensorDescriptor.from_tensor(d, [block_m, tiles.block_r])
+        w_src = TensorDescriptor.from_tensor(w, [1, tiles.block_r, tiles.block_n])
+    else:
+        d_src, w_src = d, w
+    partial = partial if router_grad else out
+    s = scale if scale is not None else partial
+    launch(_moe_grad_input_kernel, (num_pid_m * cdiv(cols, tiles.block_n),),
+           d_src, w_src, partial, sorted_ids, expert_ids, num_post_padded, out,
+           grad_weights if router_grad else out, s,
+           num_slots, rows_w, cols, partial.shape[1] if router_grad else 0, num_pid_m,
+           d.stride(0), *w.stride(), out.stride(0), partial.stride(0), *scale_strides(s),
+           BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK,
+           PRECISION="ieee" if fp32 else "tf32", FP8_W=scale is not None,
+           SCALE_R=block_shape[0] if block_shape else 1, SCALE_C=block_shape[1] if block_shape else 1,
+           GROUP_M=row_group(block_m * rows_w * d.element_size()), TMA=tma, ROUTER_GRAD=router_grad,
+           SORTED_OUT=not router_grad, num_warps=tiles.num_warps,
+           num_stages=backward_stages(tiles.num_stages, fp32, scale is not None))
+
+
+@with_interpreter_fixes
+def sorted_input_grad(
+    d: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_post_padded: torch.Tensor, num_slots: int, *, block_m: int, weight_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None, tiles: InputTiles = InputTiles(),
+) -> torch.Tensor:
+    """da (P, C) in aligned-row order, d's dtype: da = d @ w[e] for each aligned row block of expert e.
+
+    Args:
+        d: (P, R) aligned rows (``sorted_rows.aligned_copy``; padding rows zero), P = sorted_ids.numel().
+        w: (E_local, R, C), d's dtype (or float8_e4m3fn with ``weight_scale`` (E, cdiv(R, bn),
+            cdiv(C, bk)) float32 and ``block_shape`` (bn, bk)), any strides.
+        sorted_ids, expert_ids, num_post_padded: the align of block ``block_m`` that ordered d;
+            num_slots: the sentinel of sorted_ids.
+
+    Rows at or past num_post_padded and rows of remote experts (expert id -1) are not written.
+    """
+    out = torch.empty((d.shape[0], w.shape[2]), dtype=d.dtype, device=d.device)
+    _launch(d, w, out, sorted_ids, expert_ids, num_post_padded, num_slots, block_m, tiles, weight_scale, block_shape)
+    return out
 
 
 @with_interpreter_fixes
@@ -128,27 +194,9 @@ def moe_grad_input(
     dev = grad_h.device
     grad_slots = torch.empty((m * topk, k), dtype=grad_h.dtype, device=dev)
     grad_weights = torch.zeros((m, topk), dtype=torch.float32, device=dev)
-    p = sorted_ids.shape[0]
-    if p:
-        fp32 = grad_h.dtype == torch.float32
-        s1 = weight_scales.w1_scale if weight_scales else partial
-        num_pid_m = cdiv(p, block_m)
-        tma = tiles.tma and weight_scales is None and tma_addressable(grad_h) and tma_addressable(w1)
-        if tma:
-            grad_h_src = TensorDescriptor.from_tensor(grad_h, [block_m, tiles.block_r])
-            w1_src = TensorDescriptor.from_tensor(w1, [1, tiles.block_r, tiles.block_n])
-        else:
-            grad_h_src, w1_src = grad_h, w1
-        launch(_moe_grad_input_kernel, (num_pid_m * cdiv(k, tiles.block_n),),
-               grad_h_src, w1_src, partial, sorted_ids, expert_ids, num_post_padded, grad_slots, grad_weights, s1,
-               m * topk, w1_rows, k, partial.shape[1], num_pid_m,
-               grad_h.stride(0), *w1.stride(), grad_slots.stride(0), partial.stride(0), *scale_strides(s1),
-               BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK,
-               PRECISION="ieee" if fp32 else "tf32", FP8_W=weight_scales is not None,
-               SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
-               SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,
-               GROUP_M=row_group(block_m * w1_rows * grad_h.element_size()), TMA=tma, num_warps=tiles.num_warps,
-               num_stages=backward_stages(tiles.num_stages, fp32, weight_scales is not None))
+    _launch(grad_h, w1, grad_slots, sorted_ids, expert_ids, num_post_padded, m * topk, block_m, tiles,
+            weight_scales.w1_scale if weight_scales else None, weight_scales.block_shape if weight_scales else None,
+            partial, grad_weights)
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,
                topk_weights if apply_router_weight_on_input else None, expert_map, grad_x,
