@@ -44,9 +44,12 @@ FIELDS = ["date", "gpu", "torch", "triton", "commit", "shape", "M", "block_m", "
 ROWS: list[list] = []  # (shape, M, block_m, op, tiles, µs) of every timed candidate
 
 
+REP_MS = [40.0]  # do_bench's repetition time per candidate (--rep-ms)
+
+
 def _time(fn) -> float:
     try:
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3  # µs
+        return triton.testing.do_bench(fn, warmup=10, rep=REP_MS[0], return_mode="median") * 1e3  # µs
     except Exception as err:  # a tile that does not compile or fit: report and go on
         print(f"      failed: {type(err).__name__}: {str(err)[:120]}")
         return float("inf")
@@ -107,8 +110,10 @@ def main() -> None:
     parser.add_argument("--block-ms", type=int, nargs="*", default=[],
                         help="align blocks of moe_grad_act and moe_grad_input (default: the shipped grad_block_m)")
     parser.add_argument("--out", type=Path, default=None, help="append the rows to this CSV")
+    parser.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time per candidate (ms)")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = parser.parse_args()
+    REP_MS[0] = args.rep_ms
     for m in args.ms:
         for name in args.shapes:
             run_shape(name, m, tuple(args.kernels), tuple(args.block_ms))
