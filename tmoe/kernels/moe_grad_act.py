@@ -69,7 +69,7 @@ def grad_block_m(num_experts: int) -> int:
 def act_tiles(block_m: int) -> ActTiles:
     """``moe_grad_act``'s tiles at an align block (the sweeps' best at each, ``bench/repro_grad_tiles.py``,
     H100): at 128 rows g_first on TMA (g's GEMM first, then 128-column tiles of the recomputed
-    pre-activation): 1.11x over the fused TMA kernel at Mixtral-8x7B M = 4096, 1.2x at M = 16384,
+    pre-activation): 1.08x over the fused TMA kernel at Mixtral-8x7B M = 4096, 1.13x at M = 16384,
     where the fused kernel's three [128, 128] accumulators spilled registers; at 64 rows the
     fused kernel on gathered rows stays, faster than TMA plus the aligned copies of grad_out and x
     (1.13x DeepSeek-V3 M = 4096, 1.19x Qwen3-30B-A3B M = 16384) and than g_first (1.02x, 1.16x)."""
