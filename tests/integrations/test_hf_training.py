@@ -36,12 +36,17 @@ def _step(model, tokens):
 
 
 def _assert_same_step(got, want, what, exact=None):
-    """tmoe's step equals eager's within float32 rounding; with ``exact`` (eager in float64), each
-    gradient is instead as close to float64 as eager's float32 one is (twice its error, 1e-5 of
-    slack): gradients through a whole model round more than one layer's output does."""
+    """tmoe's step equals eager's within float32 rounding; with ``exact`` (eager in float64), the
+    loss and each gradient are instead as close to float64 as eager's float32 ones are (twice their
+    error, 1e-5 of slack): a loss and gradients through a whole model round more than one layer's
+    output does (openai_privacy_filter: eager's float32 loss is 1.4e-5 from float64, tmoe's 3.7e-6)."""
     (out, loss, grads), (out_e, loss_e, grads_e) = got, want
     assert_close(out, out_e, torch.float32, name=f"{what} output")
-    assert_close(loss, loss_e, torch.float32, name=f"{what} loss")
+    if exact is None:
+        assert_close(loss, loss_e, torch.float32, name=f"{what} loss")
+    else:
+        err, eager_err = rel_error(loss, exact[1]), rel_error(loss_e, exact[1])
+        assert err <= 2 * eager_err + 1e-5, f"{what} loss: {err:.2e} from float64, eager {eager_err:.2e}"
     assert grads.keys() == grads_e.keys()
     for name in grads_e:
         if exact is None:
