@@ -28,8 +28,9 @@ ACT = [ActTiles(128, 64, 8, 3, tma=False), ActTiles(128, 32, 8, 4, tma=False), A
        ActTiles(64, 64, 8, 4), ActTiles(128, 64, 8, 3), ActTiles(128, 32, 8, 4), ActTiles(64, 64, 4, 3),
        ActTiles(64, 32, 4, 4), ActTiles(64, 128, 8, 3), ActTiles(128, 64, 8, 4),
        # g_first: g = go @ w2 as its own GEMM first, then the two dots of the recomputed pre-activation
-       ActTiles(64, 64, 8, 3, g_first=True), ActTiles(64, 64, 8, 4, g_first=True), ActTiles(128, 64, 8, 3, g_first=True),
-       ActTiles(128, 32, 8, 4, g_first=True), ActTiles(64, 64, 4, 3, g_first=True),
+       ActTiles(64, 64, 8, 3, g_first=True), ActTiles(64, 64, 8, 4, g_first=True),
+       ActTiles(128, 64, 8, 3, g_first=True), ActTiles(128, 32, 8, 4, g_first=True),
+       ActTiles(64, 64, 4, 3, g_first=True),
        ActTiles(64, 64, 8, 3, tma=False, g_first=True), ActTiles(128, 64, 8, 3, tma=False, g_first=True)]
 INPUT = [InputTiles(tma=False), InputTiles(), InputTiles(128, 64, 4, 3), InputTiles(128, 64, 8, 3),
          InputTiles(256, 64, 8, 4), InputTiles(128, 32, 4, 4), InputTiles(64, 64, 4, 4), InputTiles(256, 32, 8, 4),
@@ -44,12 +45,9 @@ FIELDS = ["date", "gpu", "torch", "triton", "commit", "shape", "M", "block_m", "
 ROWS: list[list] = []  # (shape, M, block_m, op, tiles, µs) of every timed candidate
 
 
-REP_MS = [40.0]  # do_bench's repetition time per candidate (--rep-ms)
-
-
-def _time(fn) -> float:
+def _time(fn, rep_ms: float) -> float:
     try:
-        return triton.testing.do_bench(fn, warmup=10, rep=REP_MS[0], return_mode="median") * 1e3  # µs
+        return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3  # µs
     except Exception as err:  # a tile that does not compile or fit: report and go on
         print(f"      failed: {type(err).__name__}: {str(err)[:120]}")
         return float("inf")
@@ -69,9 +67,12 @@ def _best(name: str, results: list[tuple[object, float]], default: object, flops
           flush=True)
 
 
-def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS, block_ms: tuple[int, ...] = ()) -> None:
-    """Time every candidate of ``kernels`` at the align blocks ``block_ms`` (default: the shipped one)."""
+def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS, block_ms: tuple[int, ...] = (),
+              rep_ms: float = 40.0) -> None:
+    """Time every candidate of ``kernels`` at the align blocks ``block_ms`` (default: the shipped one),
+    each a ``do_bench`` median over ``rep_ms``."""
     e, n, k, topk = SHAPES[name]
+    block_ms = block_ms or (grad_block_m(e),)
     dev, dt = torch.device("cuda"), torch.bfloat16
     x = torch.randn(m, k, device=dev, dtype=dt)
     w1 = torch.randn(e, 2 * n, k, device=dev, dtype=dt) / k**0.5
@@ -80,25 +81,28 @@ def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS, block_ms: t
     ids = ids.to(torch.int32)
     go = torch.randn(m, k, device=dev, dtype=dt)
     print(f"{name} M={m}", flush=True)
-    for block_m in block_ms or (grad_block_m(e),):
+    for block_m in block_ms:
         offsets = torch.empty(e + 1, dtype=torch.int32, device=dev)
         sorted_ids, expert_ids, npp = moe_align_block_size(ids, block_m, e, None, offsets)
         route = (topk, sorted_ids, expert_ids, npp)
         if "act" in kernels:
-            act = [(t, _time(lambda t=t: moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m, tiles=t))) for t in ACT]
+            act = [(t, _time(lambda t=t: moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m, tiles=t), rep_ms))
+                   for t in ACT]
             _best(f"moe_grad_act block_m={block_m}", act, act_tiles(block_m), where=(name, m, block_m))
         grad_h, inter, partial = moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m)
         if "input" in kernels:
             inp = [(t, _time(lambda t=t: moe_grad_input(grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, e,
-                                                         block_m=block_m, tiles=t))) for t in INPUT]
+                                                         block_m=block_m, tiles=t), rep_ms)) for t in INPUT]
             _best(f"moe_grad_input block_m={block_m}", inp, InputTiles(), where=(name, m, block_m))
-        if block_m != (block_ms or (grad_block_m(e),))[0] or "weight" not in kernels:
+        if block_m != block_ms[0] or "weight" not in kernels:
             continue  # the weight GEMMs walk each expert's rows: the align block does not matter
         dw1 = [(t, _time(lambda t=t: moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, e, tokens_left=False,
-                                                      scale_tokens=False, row_align=block_m, tiles=t))) for t in WEIGHT]
+                                                      scale_tokens=False, row_align=block_m, tiles=t), rep_ms))
+               for t in WEIGHT]
         _best("moe_grad_weight dW1", dw1, weight_tiles(m * topk, e), 2.0 * m * topk * 2 * n * k, (name, m, block_m))
         dw2 = [(t, _time(lambda t=t: moe_grad_weight(go, inter, tw, sorted_ids, offsets, e, tokens_left=True,
-                                                      scale_tokens=False, row_align=block_m, tiles=t))) for t in WEIGHT]
+                                                      scale_tokens=False, row_align=block_m, tiles=t), rep_ms))
+               for t in WEIGHT]
         _best("moe_grad_weight dW2", dw2, weight_tiles(m * topk, e), 2.0 * m * topk * n * k, (name, m, block_m))
 
 
@@ -113,10 +117,9 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time per candidate (ms)")
     parser.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = parser.parse_args()
-    REP_MS[0] = args.rep_ms
     for m in args.ms:
         for name in args.shapes:
-            run_shape(name, m, tuple(args.kernels), tuple(args.block_ms))
+            run_shape(name, m, tuple(args.kernels), tuple(args.block_ms), args.rep_ms)
             torch.cuda.empty_cache()
     if args.out:
         commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

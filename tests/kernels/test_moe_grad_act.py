@@ -21,7 +21,8 @@ from tmoe.testing.tolerance import Tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INPUT_TILES = {"tma": InputTiles(32, 32, 4, 2), "pointer": InputTiles(32, 32, 4, 2, tma=False)}
-TOL = {torch.float32: Tolerance(rel=1e-6, atol=1e-5, rtol=1e-4), torch.bfloat16: Tolerance(rel=1e-2, atol=2e-2, rtol=0.05)}
+TOL = {torch.float32: Tolerance(rel=1e-6, atol=1e-5, rtol=1e-4),
+       torch.bfloat16: Tolerance(rel=1e-2, atol=2e-2, rtol=0.05)}
 # each gradient against float64 (as tests/layer/test_backward.py): bf16 also rounds g to bf16 on the g_first path
 GRAD_TOL = {torch.float32: Tolerance(rel=1e-5, atol=1e-5, rtol=1e-3),
             torch.bfloat16: Tolerance(rel=2e-2, atol=2e-2, rtol=0.1)}
@@ -47,7 +48,8 @@ def test_sorted_input_grad_matches_float64(path, dtype, m, e, routing, remote, m
     w = (torch.randn(e_local, r_dim, c_dim, generator=g) / r_dim**0.5).to(dtype).to(DEVICE)
     launched = []  # (the output is allocated NaN-poisoned by conftest: unwritten rows stay NaN)
     launch = grad_input_module.launch
-    monkeypatch.setattr(grad_input_module, "launch", lambda k, *a, **kw: (launched.append(a[1]), launch(k, *a, **kw))[1])
+    monkeypatch.setattr(grad_input_module, "launch",
+                        lambda k, *a, **kw: (launched.append(a[1]), launch(k, *a, **kw))[1])
     out = sorted_input_grad(d, w, sorted_ids, expert_ids, npp, m * topk, block_m=block_m, tiles=INPUT_TILES[path])
     assert (type(launched[-1]) is torch.Tensor) == (path == "pointer"), "the TMA path loads w by its descriptor"
     assert out.shape == (rows, c_dim) and out.dtype == dtype

@@ -76,6 +76,19 @@ def act_tiles(block_m: int) -> ActTiles:
     return ActTiles(128, 64, 8, 3, g_first=True) if block_m >= 128 else ActTiles(tma=False)
 
 
+@triton.jit
+def _w1_rows_dot(acc, xt, w1_base, w_rows, offs_k, mask, s1_base, stride_w1r, stride_w1k, stride_s1r, stride_s1c,
+                 FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + xt @ W1[w_rows, offs_k].T: the rows ``w_rows`` [C] of one expert's W1 (``w1_base``)
+    loaded by pointers as [BK, C] under ``mask`` (frozen block-fp8: dequantized to xt's dtype with
+    the expert's scales at ``s1_base``)."""
+    w = tl.load(w1_base + w_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask, other=0.0)
+    if FP8_W:
+        w = dequant_block(w, s1_base, w_rows[None, :], offs_k[:, None], stride_s1r, stride_s1c, mask, SCALE_R,
+                          SCALE_C, xt.dtype)
+    return tl.dot(xt, w, acc, input_precision=PRECISION)
+
+
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
 def _moe_grad_act_kernel(
     grad_out_src,  # [M, K] dL/dout (TMA: descriptor of its aligned-row copy [P, K], block [BLOCK_M, BLOCK_K])
@@ -182,28 +195,17 @@ def _moe_grad_act_kernel(
                     w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :],
                                         stride_s2r, stride_s2c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
                 acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
-            if PAIRED:
-                mask_w = mask_k[:, None] & mask_pair[None, :]
-                w1p = tl.load(w1_base + pair_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_w,
-                              other=0.0)  # [BK, 2BN]
-                if FP8_W:
-                    w1p = dequant_block(w1p, s1_ptr + expert * stride_s1e, pair_rows[None, :], offs_k[:, None],
-                                        stride_s1r, stride_s1c, mask_w, SCALE_R, SCALE_C, x_src.dtype.element_ty)
-                acc_pair = tl.dot(xt, w1p, acc_pair, input_precision=PRECISION)
+            s1_base = s1_ptr + expert * stride_s1e
+            if PAIRED:  # [BK, 2BN]
+                acc_pair = _w1_rows_dot(acc_pair, xt, w1_base, pair_rows, offs_k, mask_k[:, None] & mask_pair[None, :],
+                                        s1_base, stride_w1r, stride_w1k, stride_s1r, stride_s1c, FP8_W, SCALE_R,
+                                        SCALE_C, PRECISION)
             else:
-                w1g = tl.load(w1_base + gate_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
-                              other=0.0)  # [BK, BN]
-                if FP8_W:
-                    w1g = dequant_block(w1g, s1_ptr + expert * stride_s1e, gate_rows[None, :], offs_k[:, None],
-                                        stride_s1r, stride_s1c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
-                acc_gate = tl.dot(xt, w1g, acc_gate, input_precision=PRECISION)
+                acc_gate = _w1_rows_dot(acc_gate, xt, w1_base, gate_rows, offs_k, mask_b, s1_base, stride_w1r,
+                                        stride_w1k, stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
             if MUL and not PAIRED:
-                w1u = tl.load(w1_base + up_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask_b,
-                              other=0.0)  # [BK, BN]
-                if FP8_W:
-                    w1u = dequant_block(w1u, s1_ptr + expert * stride_s1e, up_rows[None, :], offs_k[:, None],
-                                        stride_s1r, stride_s1c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
-                acc_up = tl.dot(xt, w1u, acc_up, input_precision=PRECISION)
+                acc_up = _w1_rows_dot(acc_up, xt, w1_base, up_rows, offs_k, mask_b, s1_base, stride_w1r, stride_w1k,
+                                      stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
         if HAS_B2:
             b2 = tl.load(b2_ptr + expert * stride_b2e + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
             acc_b2 += tl.sum(go.to(tl.float32) * b2[None, :], axis=1)
