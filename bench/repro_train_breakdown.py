@@ -22,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import tmoe
 from tmoe.kernels.moe_grad_act import grad_block_m
+from tmoe.modular.call import LayerArgs
 from tmoe.tools.bench_train import SHAPES, grouped_mm_layer, step_fn
 from tmoe.tools.inputs import make_weights
 from tmoe.tools.results import git_commit
@@ -60,14 +61,20 @@ def run_shape(name: str, m: int, rate: float, args: argparse.Namespace) -> list[
     block_m = grad_block_m(s.e)
     t1, t2 = args.transposed, args.transposed  # dW written in the stored layout, as the layer's backward does
     sorted_ids, expert_ids, npp, offsets = ops.moe_grad_align(ids, block_m, s.e, None, None)
-    grad_act = lambda: ops.moe_grad_act(go, x, w1, w2, tw, sorted_ids, expert_ids, npp, block_m, b1, b2, act, None,
-                                        None, inter_leaved, False)
-    grad_h, inter, partial = grad_act()
+    spec = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts()).spec.as_args()
+    call = LayerArgs(x, w1, w2, tw, ids, activation=act, w1_bias=b1, w2_bias=b2, gate_up_interleaved=inter_leaved)
+    train_forward = lambda: ops.modular_forward_train(*call, *spec)  # noqa: E731
+    preact = train_forward()[1]
+    grad_act = lambda saved=None: ops.moe_grad_act(go, x, w1, w2, tw, sorted_ids, expert_ids, npp, block_m, b1, b2,
+                                                   act, None, None, inter_leaved, False, None, None, None, saved)
+    grad_h, inter, partial = grad_act(preact)
     parts = {
         "forward (layer)": lambda: tmoe.fused_experts(x, w1, w2, tw, ids, activation=act, w1_bias=b1, w2_bias=b2,
                                                       gate_up_interleaved=inter_leaved),
+        "forward (saves preact)": train_forward,
         "moe_grad_align": lambda: ops.moe_grad_align(ids, block_m, s.e, None, None),
         "moe_grad_act (recompute + dA)": grad_act,
+        "moe_grad_act (saved + dA)": lambda: grad_act(preact),
         "moe_grad_input (dx, dw)": lambda: ops.moe_grad_input(
             grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, block_m, s.e, None, None, False),
         "moe_grad_weight dW1": lambda: ops.moe_grad_weight(grad_h, x, tw, sorted_ids, offsets, s.e, False, False,
@@ -91,14 +98,17 @@ def run_shape(name: str, m: int, rate: float, args: argparse.Namespace) -> list[
         print(f"  {label:30s} {ms:8.3f} ms  {flops / 1e12:7.3f} TFLOP  {tflops:6.0f} TFLOP/s  "
               f"{tflops * 1e12 / rate:4.2f} of the mm rate", flush=True)
         rows.append(key + [label, f"{ms:.3f}", f"{flops / 1e12:.3f}", f"{tflops:.0f}", f"{tflops * 1e12 / rate:.2f}"])
-    del grad_h, inter, partial
+    del grad_h, inter, partial, preact
     leaves = (x, w1, w2, tw) + ((b1, b2) if args.bias else ())
     params = tuple(t.requires_grad_() for t in leaves)  # the same leaves: no second copy of the weights
-    layer = lambda x, w1, w2, tw, b1=None, b2=None: tmoe.fused_experts(  # noqa: E731
-        x, w1, w2, tw, ids, activation=act, w1_bias=b1, w2_bias=b2, gate_up_interleaved=inter_leaved)
-    step = _ms(step_fn(layer, params, go))
-    line = f"  sum of the parts {total:.3f} ms; tmoe step {step:.3f} ms"
-    rows.append(key + ["step tmoe", f"{step:.3f}", "", "", ""])
+    line = f"  sum of the parts (both forwards, both moe_grad_act) {total:.3f} ms"
+    for label, save in (("step tmoe", True), ("step tmoe recompute", False)):
+        layer = lambda x, w1, w2, tw, b1=None, b2=None, save=save: tmoe.fused_experts(  # noqa: E731
+            x, w1, w2, tw, ids, activation=act, w1_bias=b1, w2_bias=b2, gate_up_interleaved=inter_leaved,
+            save_preactivation=save)
+        step = _ms(step_fn(layer, params, go))
+        line += f"; {label} {step:.3f} ms"
+        rows.append(key + [label, f"{step:.3f}", "", "", ""])
     if not (args.bias or inter_leaved or act != "silu"):  # grouped_mm_layer is the plain silu layer
         peer = _ms(step_fn(grouped_mm_layer(ids), params, go))
         line += f"; grouped_mm step {peer:.3f} ms"

@@ -9,7 +9,7 @@ import torch
 
 from tmoe.modular import KernelSpec, NoEPPrepareAndFinalize, TritonExperts, build
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, needs_grad
+from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, needs_grad, saves_preactivation
 from tmoe.ops.autograd import check_layer_inputs_trainable
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
@@ -61,14 +61,19 @@ def run_layer(args: LayerArgs, spec: KernelSpec, inplace: bool) -> torch.Tensor:
     return build(spec).run(torch.empty_like(args.hidden_states), args)
 
 
-def run_layer_op(args: LayerArgs, spec_args: tuple, inplace: bool) -> torch.Tensor:
-    """Call the layer op ``tmoe::modular_forward`` (in place: ``tmoe::modular_forward_``)."""
+def run_layer_op(args: LayerArgs, spec_args: tuple, inplace: bool, save_preactivation: bool = True) -> torch.Tensor:
+    """Call the layer op ``tmoe::modular_forward`` (in place: ``tmoe::modular_forward_``); a call
+    autograd records runs ``tmoe::modular_forward_train`` where it can (``saves_preactivation``)
+    and ``save_preactivation`` asks for it: its backward then reads the saved pre-activation."""
     if inplace:
         check_no_grad_inplace(args.hidden_states)
         torch.ops.tmoe.modular_forward_(*args, *spec_args)
         return args.hidden_states
     if needs_grad(args):  # before any launch: the composition and weights must have a backward
         check_layer_inputs_trainable((*args, *spec_args))
+        pf, experts, quant_dtype, weight_dtype = spec_args[0], spec_args[3], spec_args[5], spec_args[9]
+        if save_preactivation and saves_preactivation(args, pf, experts, (quant_dtype or weight_dtype) is not None):
+            return torch.ops.tmoe.modular_forward_train(*args, *spec_args)[0]
     return torch.ops.tmoe.modular_forward(*args, *spec_args)
 
 
@@ -81,6 +86,7 @@ def fused_experts(
     *,
     inplace: bool = False,
     quant_config: FusedMoEQuantConfig | None = None,
+    save_preactivation: bool = True,
     **options,
 ) -> torch.Tensor:
     """out[m] = sum_t topk_weights[m, t] * w2[e] @ (act(w1[e, :N] @ x[m]) * (w1[e, N:] @ x[m])), e = topk_ids[m, t]
@@ -97,6 +103,10 @@ def fused_experts(
             [0, E) contribute exactly 0.
         inplace: write the result into ``hidden_states`` (refused if it requires grad).
         quant_config: ``tmoe.FusedMoEQuantConfig`` (fp8 or weight-only low-bit schemes); None: unquantized.
+        save_preactivation: when autograd records the call, the forward also saves the up GEMM's
+            pre-activation (M * topk * 2N values, as torch autograd of the eager layer does) and the
+            backward reads it; False: the backward recomputes it from x and w1 (less memory, one more
+            GEMM). Float experts without expert parallelism only; other layers always recompute.
         **options: the other fields of ``tmoe.modular.LayerArgs``: ``activation`` (gated: "silu",
             "gelu", "gelu_tanh", "swigluoai"; non-gated: "silu_no_mul", "gelu_no_mul",
             "relu2_no_mul"), ``swiglu_alpha``/``swiglu_limit`` (swigluoai's alpha and limit,
@@ -120,6 +130,8 @@ def fused_experts(
     if type(quant_config) is not FusedMoEQuantConfig:
         raise TypeError(f"quant_config must be a tmoe.FusedMoEQuantConfig (e.g. FusedMoEQuantConfig(torch.float8_e4m3fn)), "
                         f"got {quant_config!r}")
+    if not isinstance(save_preactivation, bool):
+        raise TypeError(f"save_preactivation must be a bool, got {type(save_preactivation).__name__}")
     if takes_op_path(args):
-        return run_layer_op(args, _default_spec_args(quant_config), inplace)
+        return run_layer_op(args, _default_spec_args(quant_config), inplace, save_preactivation)
     return run_layer(args, _default_spec(quant_config), inplace)

@@ -30,25 +30,31 @@ class FusedMoEModularKernel(nn.Module):
     biases, apply_router_weight_on_input, w1_zp/w2_zp). Runs as the custom op ``tmoe::modular_forward``, which
     receives the kernel by value (``KernelSpec``); M is split in chunks of ``chunk_size`` tokens
     (default ``TMOE_CHUNK_SIZE`` or 32768) when the experts support it, reusing one workspace.
+    ``save_preactivation``: training saves the up GEMM's pre-activation for the backward (as
+    ``tmoe.fused_experts``' keyword; False: recompute it).
     """
 
     def __init__(self, prepare_finalize: FusedMoEPrepareAndFinalize, fused_experts: FusedMoEPermuteExpertsUnpermute,
-                 chunk_size: int | None = None) -> None:
+                 chunk_size: int | None = None, *, save_preactivation: bool = True) -> None:
         super().__init__()
         chunk_size = default_chunk_size() if chunk_size is None else positive_int("chunk_size", chunk_size)
         self.spec = KernelSpec.of(prepare_finalize, fused_experts, chunk_size)
         self.prepare_finalize, self.fused_experts, self.chunk_size = prepare_finalize, fused_experts, chunk_size
         self._spec_args = self.spec.as_args()
+        if not isinstance(save_preactivation, bool):
+            raise TypeError(f"save_preactivation must be a bool, got {type(save_preactivation).__name__}")
+        self.save_preactivation = save_preactivation
 
     def forward(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, inplace: bool = False, **options) -> torch.Tensor:
         args = LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options)
         if takes_op_path(args):
-            return run_layer_op(args, self._spec_args, inplace)
+            return run_layer_op(args, self._spec_args, inplace, self.save_preactivation)
         return run_layer(args, self.spec, inplace)
 
     def extra_repr(self) -> str:
-        return f"{type(self.prepare_finalize).__name__} + {type(self.fused_experts).__name__}, chunk_size={self.chunk_size}"
+        return (f"{type(self.prepare_finalize).__name__} + {type(self.fused_experts).__name__}, "
+                f"chunk_size={self.chunk_size}, save_preactivation={self.save_preactivation}")
 
     def warmup(self, max_tokens: int, w1: torch.Tensor, w2: torch.Tensor, topk: int, **kwargs) -> None:
         """Compile every kernel variant for 1..max_tokens tokens (powers of two and max_tokens)

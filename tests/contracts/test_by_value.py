@@ -71,7 +71,8 @@ def _logits(model, tokens):
 
 
 def _calls_layer_op(counter: CompileCounterWithBackend) -> bool:
-    ops = (torch.ops.tmoe.modular_forward, torch.ops.tmoe.modular_forward_)  # dynamo records the packets
+    ops = (torch.ops.tmoe.modular_forward, torch.ops.tmoe.modular_forward_,  # dynamo records the packets
+           torch.ops.tmoe.modular_forward_train)
     ops += tuple(op.default for op in ops)
     return any(node.target in ops for gm in counter.graphs for node in gm.graph.nodes)
 

@@ -99,6 +99,7 @@ def test_opcheck_layer_and_router_autograd():
     args = tuple(LayerArgs(p.x.requires_grad_(), p.w1.requires_grad_(), p.w2, p.topk_weights.requires_grad_(),
                            p.topk_ids))
     torch.library.opcheck(torch.ops.tmoe.modular_forward, (*args, *spec))
+    torch.library.opcheck(torch.ops.tmoe.modular_forward_train, (*args, *spec))
     torch.library.opcheck(torch.ops.tmoe.topk_route, (torch.randn(9, 4, device=DEVICE, requires_grad=True), 2))
 
 
@@ -159,18 +160,21 @@ def test_stage_ops_stay_inference_only():
         out.sum().backward()
 
 
-def test_flop_counter_counts_the_backward():
-    """FlopCounterMode sees forward and backward: 2·S·K·3N forward, then 2·S·K·(N + 2N) for the
-    intermediate's gradient with the recomputed pre-activation, 2·S·2N·K for dx, 2·S·(2N·K + K·N) for dW."""
+@pytest.mark.parametrize("save", [True, False])
+def test_flop_counter_counts_the_backward(save):
+    """FlopCounterMode sees forward and backward: 2·S·K·3N forward, then 2·S·K·N for the
+    intermediate's gradient (2·S·K·(N + 2N) with the recomputed pre-activation), 2·S·2N·K for dx,
+    2·S·(2N·K + K·N) for dW."""
     from torch.utils.flop_counter import FlopCounterMode
 
     m, e, n, k, topk = 6, 4, 40, 48, 2
     p = make_problem(MoEShape(m, e, n, k, topk), torch.float32, "uniform", seed=3, device=DEVICE)
     leaves = [t.requires_grad_() for t in (p.x, p.w1, p.w2)]
     with FlopCounterMode(display=False) as counter:
-        tmoe.fused_experts(*leaves, p.topk_weights, p.topk_ids).sum().backward()
+        tmoe.fused_experts(*leaves, p.topk_weights, p.topk_ids, save_preactivation=save).sum().backward()
     s = m * topk
-    assert counter.get_total_flops() == 2 * s * k * 3 * n + 2 * s * k * 3 * n + 2 * s * 2 * n * k + 2 * s * 3 * n * k
+    grad_act = 2 * s * k * (n + (0 if save else 2 * n))
+    assert counter.get_total_flops() == 2 * s * k * 3 * n + grad_act + 2 * s * 2 * n * k + 2 * s * 3 * n * k
 
 
 def test_fp8_backward_ops_name_bad_scales(monkeypatch):

@@ -3,8 +3,11 @@ its ``g_first`` path runs first (``sorted_input_grad``), against float64.
 
 ``sorted_input_grad`` alone: every aligned row of a local expert's block equals d_row @ w[e] in
 float64; rows it must not write (past the padded length, remote experts') keep their NaN.
-``moe_grad_act``'s paths (fused TMA, fused pointer, g_first on TMA and on pointers) through the
-layer: every gradient against float64 autograd of the reference."""
+``moe_grad_act``'s paths (fused TMA, fused pointer, g_first on TMA and on pointers, each
+recomputing the pre-activation; and the forward's saved pre-activation) through the layer: every
+gradient against float64 autograd of the reference."""
+import functools
+
 import pytest
 import torch
 
@@ -61,10 +64,12 @@ def test_sorted_input_grad_matches_float64(path, dtype, m, e, routing, remote, m
     assert written.any()
 
 
-# the paths of moe_grad_act, forced through the layer's backward at both align blocks
+# the paths of moe_grad_act, forced through the layer's backward at both align blocks; "saved"
+# reads the forward's pre-activation (g first, rows by pointers, whatever the tiles say)
 PATHS = {"fused-tma": ActTiles(128, 32, 8, 4), "fused-pointer": ActTiles(tma=False),
          "g_first-tma": ActTiles(64, 64, 8, 3, g_first=True), "g_first-pointer": ActTiles(64, 64, 8, 3, tma=False,
-                                                                                              g_first=True)}
+                                                                                              g_first=True),
+         "saved": ActTiles(128, 32, 8, 4)}
 CASES = {  # (m, e, n, k, topk, activation, options, bias, dtype)
     "silu": (33, 4, 48, 40, 2, "silu", {}, False, torch.float32),
     "bf16-bias": (19, 4, 48, 40, 2, "silu", {}, True, torch.bfloat16),
@@ -96,9 +101,12 @@ def test_every_path_gives_float64_gradients(path, case, monkeypatch):
             t.requires_grad_()
     grad_out = torch.randn(m, k, device=DEVICE).to(dtype)
     opts = dict(activation=activation, **options)
-    grads = layer_grads(tmoe.fused_experts, inputs, grad_out, **opts)
+    save = path == "saved"
+    grads = layer_grads(functools.partial(tmoe.fused_experts, save_preactivation=save), inputs, grad_out, **opts)
     ref = reference_grads(inputs, grad_out, **opts)
     for name, got in grads.items():
         assert_close(got, ref[name], GRAD_TOL[dtype], name=f"d{name}")
-    tma = PATHS[path].tma and not options.get("gate_up_interleaved")
-    assert [(kw["G_FIRST"], kw["TMA"]) for kw in launched] == [(PATHS[path].g_first, tma)], launched
+    saved = save and not options.get("apply_router_weight_on_input")  # on the input: recomputed
+    tma = PATHS[path].tma and not options.get("gate_up_interleaved") and not saved
+    expected = (PATHS[path].g_first or saved, tma, saved)
+    assert [(kw["G_FIRST"], kw["TMA"], kw["SAVED"]) for kw in launched] == [expected], launched

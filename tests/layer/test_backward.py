@@ -81,12 +81,14 @@ def _check(grads: dict, ref: dict, dtype: torch.dtype, inputs: dict) -> None:
         assert_close(g, ref[name], GRAD_TOL[dtype], name=f"d{name}")
 
 
+@pytest.mark.parametrize("save", [True, False], ids=["saved", "recomputed"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_gradients_match_float64_reference(case):
+def test_gradients_match_float64_reference(case, save):
+    """Both ways of the pre-activation: saved by the forward (the default) and recomputed."""
     inputs = _inputs(case)
     options = dict(activation=case.activation, **case.options)
     grad_out = torch.randn(case.m, case.k, device=DEVICE).to(case.dtype)
-    grads = layer_grads(tmoe.fused_experts, inputs, grad_out, **options)
+    grads = layer_grads(tmoe.fused_experts, inputs, grad_out, save_preactivation=save, **options)
     _check(grads, reference_grads(inputs, grad_out, **options), case.dtype, inputs)
 
 

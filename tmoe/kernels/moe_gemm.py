@@ -63,14 +63,15 @@ def _moe_gemm_kernel(
     expert_map_ptr,  # [num_experts] int32 global -> local id or -1 (HAS_MAP), direct only
     out_scale_ptr,  # QUANT_OUT: [rows, cdiv(N, GROUP_OUT)] float32 (Batched: [E, cap, ...])
     w_zp_ptr,  # HAS_ZP: low-bit zero points, int4 [E, N_w // 2, K // GROUP_K], int8 [E, N_w, K // GROUP_K]
+    pre_ptr,  # SAVE_PRE (gated, Standard): [num_slots, N_w] the pre-activation, row = slot
     N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert, num_experts, num_local_experts,
     stride_ae, stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
     stride_oe, stride_om, stride_on,
     stride_ase, stride_asm, stride_ask,
     stride_wse, stride_wsn, stride_wsk, stride_be,
-    stride_ose, stride_osm, stride_osg, stride_zpe, stride_zpn, stride_zpk, quant_eps, act_alpha, act_limit,
-    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    stride_ose, stride_osm, stride_osg, stride_zpe, stride_zpn, stride_zpk, stride_pm, quant_eps, act_alpha,
+    act_limit, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATED: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr,
     QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -78,6 +79,7 @@ def _moe_gemm_kernel(
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK: tl.constexpr,
     SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr, HALVES: tl.constexpr,
+    SAVE_PRE: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # PDL: before anything is read; the next kernel may start after the K loop (pdl.py)
     if PERSISTENT:  # sorted route, TMA weights: each program walks the valid tiles, grid-size apart
@@ -103,9 +105,9 @@ def _moe_gemm_kernel(
                 )  # [BM, BN] float32 each (up: MUL only)
                 bias_ptrs = bias_ptr + expert * stride_be + offs_n * (1 + INTERLEAVED)  # [BN] (INTERLEAVED: gate at 2n)
                 moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptrs, topk_weights_ptr,
-                             out_scale_ptr + slots * stride_osm, pid_n, N, stride_osg, quant_eps, act_alpha, act_limit,
-                             BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS,
-                             QUANT_OUT, GROUP_OUT)
+                             out_scale_ptr + slots * stride_osm, pre_ptr + slots * stride_pm, pid_n, N, stride_osg,
+                             quant_eps, act_alpha, act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION,
+                             CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE)
         pdl_launch_dependents(USE_PDL)
     else:  # one program per output tile
         pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -174,9 +176,9 @@ def _moe_gemm_kernel(
         pdl_launch_dependents(USE_PDL)
         bias_ptrs = bias_ptr + expert * stride_be + offs_n * (1 + INTERLEAVED)  # [BN] (INTERLEAVED: gate at 2n)
         moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptrs, topk_weights_ptr,
-                     out_scale_ptr + out_scale_rows, pid_n, N, stride_osg, quant_eps, act_alpha, act_limit,
-                     BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS,
-                     QUANT_OUT, GROUP_OUT)
+                     out_scale_ptr + out_scale_rows, pre_ptr + slots * stride_pm, pid_n, N, stride_osg, quant_eps,
+                     act_alpha, act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP,
+                     MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE)
 
 
 @with_interpreter_fixes
@@ -196,6 +198,7 @@ def invoke_moe_gemm(
     bias: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     quant_eps: float = 1e-10,
+    pre_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch one expert GEMM into ``out``; exactly one of ``routing`` (Standard: aligned or
     direct, with ``config.block_m`` 16 for direct) and ``expert_num_tokens`` (Batched) is given. ``topk_weights`` ([num_slots] float32) multiplies
@@ -208,7 +211,9 @@ def invoke_moe_gemm(
     activation (``Activation.interleaved``: row 2j gate j, row 2j + 1 up j; else gate rows then up
     rows), (E, N, K) for a *_no_mul one; its alpha and limit are runtime floats, so a new value
     compiles nothing. ``scales`` a ``WeightScales``: ``w`` holds low-bit codes, dequantized
-    in the K loop. Shapes were checked by the caller. Planned (``tmoe.runtime.plan.planned``):
+    in the K loop. ``pre_out`` (gated, Standard routing; (num_slots, N_w) contiguous, x's dtype):
+    the epilogue also stores each slot's pre-activation there (``moe_epilogue``'s SAVE_PRE), gate
+    columns then up columns. Shapes were checked by the caller. Planned (``tmoe.runtime.plan.planned``):
     the body runs once per static signature of the arguments."""
     act_args = (activation or Activation()).kernel_args() if gated else NO_ACTIVATION_ARGS
     mul = act_args["MUL"]
@@ -267,6 +272,8 @@ def invoke_moe_gemm(
         EVEN_K=k % config.block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, SWAP_AB=config.swap_ab, PERSISTENT=persistent,
         HALVES=up_in_halves(w, mul, act_args["INTERLEAVED"]),
+        pre_ptr=pre_out if pre_out is not None else w, stride_pm=pre_out.stride(0) if pre_out is not None else 0,
+        SAVE_PRE=pre_out is not None,
         **route, **scale_args(scales, a, w, config, config.block_n * (1 + mul)), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned

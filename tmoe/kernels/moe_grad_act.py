@@ -26,7 +26,7 @@ and its epilogue loads g.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -37,6 +37,7 @@ from tmoe.kernels._details.activation_grad import act_and_mul_grad, act_no_mul_g
 from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.activation import Activation
+from tmoe.kernels.checks import check_last_dim_contiguous, check_shape, check_tensor
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.moe_grad_input import sorted_input_grad
 from tmoe.kernels.operands import BlockScales, Routing, scale_strides
@@ -102,6 +103,7 @@ def _moe_grad_act_kernel(
     expert_ids_ptr,  # [P // BLOCK_M] int32, -1 remote
     num_post_padded_ptr,  # [1] int32
     g_ptr,  # [P, N] aligned rows: g = go @ w2[e] (G_FIRST)
+    preact_ptr,  # [num_slots, W1_ROWS] the forward's pre-activation, row = slot, gate then up columns (SAVED)
     grad_h_ptr,  # [P, W1_ROWS] out, aligned rows, w1's row order
     inter_ptr,  # [P, N] out, aligned rows: w * act(h) (ON_INPUT: act(h))
     partial_ptr,  # [P, NUM_PID_N] float32 out
@@ -110,14 +112,15 @@ def _moe_grad_act_kernel(
     num_slots, N, K, alpha, limit, num_pid_m,
     stride_gm, stride_gk, stride_xm, stride_xk, stride_w1e, stride_w1r, stride_w1k, stride_w2e, stride_w2k,
     stride_w2n, stride_b1e, stride_b2e, stride_g, stride_hm, stride_im, stride_pm, stride_s1e, stride_s1r, stride_s1c,
-    stride_s2e, stride_s2r, stride_s2c,
+    stride_s2e, stride_s2r, stride_s2c, stride_pre,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACTIVATION: tl.constexpr, MUL: tl.constexpr, CLAMP: tl.constexpr, INTERLEAVED: tl.constexpr,
     ON_INPUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, PRECISION: tl.constexpr,
     FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
-    G_FIRST: tl.constexpr,
+    G_FIRST: tl.constexpr, SAVED: tl.constexpr,
 ):
     LOAD_GO: tl.constexpr = HAS_B2 or not G_FIRST  # g's dot, and <go, b2>
+    K_LOOP: tl.constexpr = LOAD_GO or not SAVED  # SAVED (with G_FIRST): no dot is left but <go, b2>
     pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     pid_m = pid_m.to(tl.int64)
     pid_n = pid_n.to(tl.int64)
@@ -163,62 +166,72 @@ def _moe_grad_act_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_pair = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # PAIRED: x @ W1's [2BN] rows
     acc_b2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        mask_k = offs_k < K
-        if TMA:  # aligned rows, whole blocks; rows and columns past the ends read zero
-            e32 = expert.to(tl.int32)
-            if LOAD_GO:
-                go = grad_out_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
-            xt = x_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
-            if not G_FIRST:
-                w2t = w2_src.load([e32, k0, (pid_n * BLOCK_N).to(tl.int32)]).reshape(BLOCK_K, BLOCK_N)
-                acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
-            w1g = w1_src.load([e32, (pid_n * BLOCK_N).to(tl.int32), k0]).reshape(BLOCK_N, BLOCK_K)
-            acc_gate = tl.dot(xt, w1g.T, acc_gate, input_precision=PRECISION)
-            if MUL:
-                w1u = w1_src.load([e32, (N + pid_n * BLOCK_N).to(tl.int32), k0]).reshape(BLOCK_N, BLOCK_K)
-                acc_up = tl.dot(xt, w1u.T, acc_up, input_precision=PRECISION)
-        else:  # rows gathered through their tokens, weights by pointers (any strides)
-            w1_base = w1_src + expert * stride_w1e
-            w2_base = w2_src + expert * stride_w2e + offs_n[None, :] * stride_w2n  # [1, BN]
-            mask_a = mask_m[:, None] & mask_k[None, :]
-            mask_b = mask_k[:, None] & mask_n[None, :]
-            if LOAD_GO:
-                go = tl.load(grad_out_src + tokens[:, None] * stride_gm + offs_k[None, :] * stride_gk, mask=mask_a,
-                             other=0.0)  # [BM, BK]
-            xt = tl.load(x_src + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_a,
-                         other=0.0)  # [BM, BK]
-            if not G_FIRST:
-                w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
-                if FP8_W:  # frozen block-fp8 weights, dequantized in registers (w2's rows are K, w1's are 2N)
-                    w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :],
-                                        stride_s2r, stride_s2c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
-                acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
-            s1_base = s1_ptr + expert * stride_s1e
-            if PAIRED:  # [BK, 2BN]
-                acc_pair = _w1_rows_dot(acc_pair, xt, w1_base, pair_rows, offs_k, mask_k[:, None] & mask_pair[None, :],
-                                        s1_base, stride_w1r, stride_w1k, stride_s1r, stride_s1c, FP8_W, SCALE_R,
-                                        SCALE_C, PRECISION)
-            else:
-                acc_gate = _w1_rows_dot(acc_gate, xt, w1_base, gate_rows, offs_k, mask_b, s1_base, stride_w1r,
-                                        stride_w1k, stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
-            if MUL and not PAIRED:
-                acc_up = _w1_rows_dot(acc_up, xt, w1_base, up_rows, offs_k, mask_b, s1_base, stride_w1r, stride_w1k,
-                                      stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
-        if HAS_B2:
-            b2 = tl.load(b2_ptr + expert * stride_b2e + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
-            acc_b2 += tl.sum(go.to(tl.float32) * b2[None, :], axis=1)
+    if K_LOOP:
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            mask_k = offs_k < K
+            if TMA:  # aligned rows, whole blocks; rows and columns past the ends read zero
+                e32 = expert.to(tl.int32)
+                if LOAD_GO:
+                    go = grad_out_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
+                if not G_FIRST:
+                    w2t = w2_src.load([e32, k0, (pid_n * BLOCK_N).to(tl.int32)]).reshape(BLOCK_K, BLOCK_N)
+                    acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
+                if not SAVED:
+                    xt = x_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
+                    w1g = w1_src.load([e32, (pid_n * BLOCK_N).to(tl.int32), k0]).reshape(BLOCK_N, BLOCK_K)
+                    acc_gate = tl.dot(xt, w1g.T, acc_gate, input_precision=PRECISION)
+                    if MUL:
+                        w1u = w1_src.load([e32, (N + pid_n * BLOCK_N).to(tl.int32), k0]).reshape(BLOCK_N, BLOCK_K)
+                        acc_up = tl.dot(xt, w1u.T, acc_up, input_precision=PRECISION)
+            else:  # rows gathered through their tokens, weights by pointers (any strides)
+                w1_base = w1_src + expert * stride_w1e
+                w2_base = w2_src + expert * stride_w2e + offs_n[None, :] * stride_w2n  # [1, BN]
+                mask_a = mask_m[:, None] & mask_k[None, :]
+                mask_b = mask_k[:, None] & mask_n[None, :]
+                if LOAD_GO:
+                    go = tl.load(grad_out_src + tokens[:, None] * stride_gm + offs_k[None, :] * stride_gk, mask=mask_a,
+                                 other=0.0)  # [BM, BK]
+                if not G_FIRST:
+                    w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
+                    if FP8_W:  # frozen block-fp8 weights, dequantized in registers (w2's rows are K, w1's are 2N)
+                        w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :],
+                                            stride_s2r, stride_s2c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
+                    acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
+                if not SAVED:
+                    xt = tl.load(x_src + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_a,
+                                 other=0.0)  # [BM, BK]
+                    s1_base = s1_ptr + expert * stride_s1e
+                    if PAIRED:  # [BK, 2BN]
+                        acc_pair = _w1_rows_dot(acc_pair, xt, w1_base, pair_rows, offs_k,
+                                                mask_k[:, None] & mask_pair[None, :], s1_base, stride_w1r, stride_w1k,
+                                                stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
+                    else:
+                        acc_gate = _w1_rows_dot(acc_gate, xt, w1_base, gate_rows, offs_k, mask_b, s1_base, stride_w1r,
+                                                stride_w1k, stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
+                    if MUL and not PAIRED:
+                        acc_up = _w1_rows_dot(acc_up, xt, w1_base, up_rows, offs_k, mask_b, s1_base, stride_w1r,
+                                              stride_w1k, stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
+            if HAS_B2:
+                b2 = tl.load(b2_ptr + expert * stride_b2e + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
+                acc_b2 += tl.sum(go.to(tl.float32) * b2[None, :], axis=1)
     if G_FIRST:  # rows of padding read zero
         acc_g = tl.load(g_ptr + rows[:, None] * stride_g + offs_n[None, :], mask=mask_out, other=0.0).to(tl.float32)
     w = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM] float32
-    if PAIRED:
-        acc_gate, acc_up = tl.split(tl.reshape(acc_pair, (BLOCK_M, BLOCK_N, 2)))
-    hg, hu = acc_gate, acc_up
+    if SAVED:  # the forward's pre-activation, biases included (the router weight is on the output)
+        pre = preact_ptr + tl.where(mask_m, slots, 0)[:, None] * stride_pre + offs_n[None, :]  # [BM, BN]
+        hg = tl.load(pre, mask=mask_out, other=0.0).to(tl.float32)
+        hu = hg  # read only when MUL
+        if MUL:
+            hu = tl.load(pre + N, mask=mask_out, other=0.0).to(tl.float32)
+    else:
+        if PAIRED:
+            acc_gate, acc_up = tl.split(tl.reshape(acc_pair, (BLOCK_M, BLOCK_N, 2)))
+        hg, hu = acc_gate, acc_up
     if ON_INPUT:  # the forward scales the input: h = w * (x @ w1.T) + b1
         hg = hg * w[:, None]
         hu = hu * w[:, None]
-    if HAS_B1:
+    if HAS_B1 and not SAVED:
         if PAIRED:
             b1g, b1u = tl.split(tl.reshape(tl.load(b1_ptr + expert * stride_b1e + pair_rows, mask=mask_pair,
                                                    other=0.0).to(tl.float32), (BLOCK_N, 2)))
@@ -270,7 +283,7 @@ def moe_grad_act(
     topk: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor, *,
     activation: Activation = Activation(), apply_router_weight_on_input: bool = False,
     w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, block_m: int = 64,
-    weight_scales: BlockScales | None = None, tiles: ActTiles | None = None,
+    weight_scales: BlockScales | None = None, tiles: ActTiles | None = None, preact: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The intermediate's gradient, the intermediate and the router weights' partial gradients.
 
@@ -282,6 +295,10 @@ def moe_grad_act(
         activation, apply_router_weight_on_input, w1_bias (E, 2N), w2_bias (E, K): the forward's.
         weight_scales: frozen block-fp8 w1/w2 (float8_e4m3fn) and their block scales; the
             weights are dequantized to x's dtype in the K loop (x itself is not quantized).
+        preact: (M * topk, 2N) (N for a *_no_mul activation), x's dtype, contiguous rows: the
+            forward's pre-activation of every slot (row = slot, gate columns then up, biases
+            included; ``check_preact``). Then nothing is recomputed: g = go @ w2 runs first
+            (g_first) and this kernel is elementwise, reading h from ``preact``.
 
     Returns:
         grad_h (P, 2N) in aligned-row order and w1's row order, x's dtype (rows of padding and
@@ -291,6 +308,7 @@ def moe_grad_act(
         partial (P, cdiv(N, tiles.block_n)) float32, dL/dw of each aligned row per column block
         (P = sorted_ids.numel(); rows at or past num_post_padded are not written).
     """
+    check_preact(preact, x, w1, topk_weights, apply_router_weight_on_input)
     num_slots = topk_weights.numel()
     per_n = activation.rows_per_n
     n, k, p = w2.shape[2], x.shape[1], sorted_ids.shape[0]
@@ -298,6 +316,8 @@ def moe_grad_act(
     grad_h = torch.empty((p, per_n * n), dtype=x.dtype, device=x.device)
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
     tiles = tiles or act_tiles(block_m)
+    if preact is not None:  # no dot left in the kernel: g first, rows gathered by pointers (no copy of x)
+        tiles = replace(tiles, g_first=True, tma=False)
     num_pid_n = cdiv(n, tiles.block_n)
     partial = torch.empty((p, num_pid_n), dtype=torch.float32, device=x.device)
     if p == 0:
@@ -325,15 +345,16 @@ def moe_grad_act(
     else:
         go_src, x_src, w1_src, w2_src = grad_out, x, w1, w2
     launch(_moe_grad_act_kernel, (num_pid_m * num_pid_n,),
-           go_src, x_src, w1_src, w2_src, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, g, grad_h,
-           inter, partial,
+           go_src, x_src, w1_src, w2_src, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, g,
+           preact if preact is not None else g, grad_h, inter, partial,
            s1, s2, num_slots, n, k, alpha, limit, num_pid_m,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
            b1.stride(0), b2.stride(0), g.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
-           *scale_strides(s1), *scale_strides(s2), FP8_W=weight_scales is not None,
+           *scale_strides(s1), *scale_strides(s2), preact.stride(0) if preact is not None else 0, FP8_W=weight_scales is not None,
            SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
            SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,
            TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, TMA=tma, G_FIRST=tiles.g_first,
+           SAVED=preact is not None,
            ACTIVATION=activation.name,
            MUL=activation.gated, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
@@ -341,6 +362,20 @@ def moe_grad_act(
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
            num_stages=backward_stages(tiles.num_stages, fp32, weight_scales is not None))
     return grad_h, inter, partial
+
+
+def check_preact(preact: torch.Tensor | None, x: torch.Tensor, w1: torch.Tensor, topk_weights: torch.Tensor,
+                 apply_router_weight_on_input: bool) -> None:
+    """A saved pre-activation is (num_slots, W1's rows) in x's dtype with contiguous rows, on x's
+    device, and only with the router weight on the output (on the input, the router weight's
+    gradient needs x @ w1.T without it, which the save does not keep)."""
+    if preact is None:
+        return
+    check_tensor("preact", preact, dtypes=(x.dtype,), ndim=2, device=x.device)
+    check_shape("preact", preact, (topk_weights.numel(), w1.shape[1]))
+    check_last_dim_contiguous("preact", preact)
+    if apply_router_weight_on_input:
+        raise ValueError("preact cannot be given with apply_router_weight_on_input (the backward recomputes it)")
 
 
 def tma_operands_fit(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: Activation) -> bool:

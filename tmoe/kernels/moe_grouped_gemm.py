@@ -48,16 +48,17 @@ def _grouped_gemm_kernel(
     expert_ids_ptr,  # [EM // BLOCK_M] int32
     num_post_padded_ptr,  # [1] int32
     out_scale_ptr,  # QUANT_OUT: [EM, cdiv(N, GROUP_OUT)] float32, sorted rows
+    pre_ptr,  # SAVE_PRE (gated): [num_slots, N_w] the pre-activation, row = slot
     N, K, num_slots,
     stride_om, stride_on, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be,
-    stride_osm, stride_osg, quant_eps, act_alpha, act_limit,
+    stride_osm, stride_osg, stride_pm, quant_eps, act_alpha, act_limit,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATED: tl.constexpr, MUL: tl.constexpr, INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr,
     QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr, SORTED_OUT: tl.constexpr,
     UNIFORM_W_SCALE: tl.constexpr, PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr, USE_PDL: tl.constexpr,
+    FLATTEN: tl.constexpr, USE_PDL: tl.constexpr, SAVE_PRE: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -82,9 +83,10 @@ def _grouped_gemm_kernel(
             out_rows = tl.where(mask_m, slots, 0)
         bias_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + offs_n  # [BN]
         moe_epilogue(acc, up, out_ptr + out_rows[:, None] * stride_om + offs_n[None, :] * stride_on, mask_m,
-                     offs_n < N, offs_n, slots, bias_ptrs, topk_weights_ptr, out_scale_ptr + rows * stride_osm, pid_n,
-                     N, stride_osg, quant_eps, act_alpha, act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED,
-                     ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT)
+                     offs_n < N, offs_n, slots, bias_ptrs, topk_weights_ptr, out_scale_ptr + rows * stride_osm,
+                     pre_ptr + tl.where(mask_m, slots, 0) * stride_pm, pid_n, N, stride_osg, quant_eps, act_alpha,
+                     act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT,
+                     HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE)
     pdl_launch_dependents(USE_PDL)
 
 
@@ -114,6 +116,7 @@ def invoke_grouped_gemm(
     bias: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
     quant_eps: float = 1e-10,
+    pre_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One expert GEMM on the grouped core. ``a`` (EM, K): expert-sorted rows (``sorted_rows``;
     EM = len(routing.sorted_token_ids)), ``w`` (E, N_w, K) with ``grouped_operands_fit``. ``gated``
@@ -121,8 +124,9 @@ def invoke_grouped_gemm(
     (epilogue quantization, as ``invoke_moe_gemm``); else ``out`` (num_slots, N), row = slot.
     ``scales``: fp8 (``Scales``) with the activation scales in sorted rows. ``topk_weights``
     ([num_slots] float32) multiplies each slot's accumulator; ``bias`` (E, N_w). ``config``: tiles
-    (``persistent`` and ``tma`` implied; stages and block_k fitted to shared memory). Shapes were
-    checked by the caller."""
+    (``persistent`` and ``tma`` implied; stages and block_k fitted to shared memory). ``pre_out``
+    (gated; (num_slots, N_w) contiguous): each slot's pre-activation is stored there too, as
+    ``invoke_moe_gemm``'s. Shapes were checked by the caller."""
     act_args = (activation or Activation()).kernel_args() if gated else NO_ACTIVATION_ARGS
     mul = act_args["MUL"]
     n = w.shape[1] // 2 if mul else w.shape[1]
@@ -154,6 +158,8 @@ def invoke_grouped_gemm(
         UNIFORM_W_SCALE=uniform_w_scale(scales, n, config.block_n, mul),
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         NUM_PROGRAMS=programs, FLATTEN=not gated,
+        pre_ptr=pre_out if pre_out is not None else w, stride_pm=pre_out.stride(0) if pre_out is not None else 0,
+        SAVE_PRE=pre_out is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(),
     )
     sa = scale_args(scales, a, w, config, config.block_n * (1 + mul))

@@ -50,10 +50,13 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         """The up/gate GEMM of ``x`` (activation scales ``a_scale``) by ``gemm`` (``route``: its
         routing keywords) into ``inter`` (..., N), the intermediate in the activation dtype; returns
         it quantized for the down GEMM (fused into the epilogue when the tiles allow, then ``inter``
-        is not written) and its scales."""
+        is not written) and its scales. The epilogue also saves the pre-activation into
+        ``call.preact`` when it is given."""
         n = inter.shape[-1]
         scales = self._scales(a_scale, call.w1_scale, call.w1_zp)
         kw = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias, **route)
+        if call.preact is not None:
+            kw["pre_out"] = call.preact
         group = self._fused_quant_group(n, up_cfg.block_n, call.a2_scale)
         if group is not None:
             inter_q = torch.empty(inter.shape, dtype=self.quant_config.quant_dtype, device=x.device)

@@ -63,7 +63,9 @@ class ExpertsCall(NamedTuple):
     activations, with ``a1q_scale`` when quantized and ``expert_num_tokens`` (E_local,) int32
     when batched; ``topk_weights``/``topk_ids`` (M', topk) the dispatched routing; the rest are
     ``tmoe.modular.LayerArgs``'s (``w1`` is (E, N, K) for a *_no_mul activation; ``w1_zp``/
-    ``w2_zp`` zero points of int4/int8 weights)."""
+    ``w2_zp`` zero points of int4/int8 weights); ``preact`` (M' * topk, 2N) (N for a *_no_mul
+    activation): where training's forward saves each slot's pre-activation (``TritonExperts``'
+    aligned routes), else None."""
 
     route: Route
     n: int
@@ -85,6 +87,7 @@ class ExpertsCall(NamedTuple):
     w1_zp: torch.Tensor | None
     w2_zp: torch.Tensor | None
     apply_router_weight_on_input: bool
+    preact: torch.Tensor | None = None
 
 
 PREPARE_FINALIZE_KINDS: dict[str, type[FusedMoEPrepareAndFinalize]] = {}

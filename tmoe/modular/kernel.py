@@ -141,14 +141,16 @@ class ModularKernel:
         self._plans: dict[tuple, CallPlan] = {}
 
     @with_interpreter_fixes  # one swap for the call's launches (CPU); a no-op on a GPU
-    def run(self, output: torch.Tensor, args: LayerArgs) -> torch.Tensor:
-        """Writes the layer output into ``output`` (M, K) and returns it."""
+    def run(self, output: torch.Tensor, args: LayerArgs, preact: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes the layer output into ``output`` (M, K) and returns it; ``preact`` (M * topk, 2N)
+        (N for a *_no_mul activation), contiguous, x's dtype: also save each slot's pre-activation
+        there (training; ``TritonExperts`` only, on its routes that keep the slots apart)."""
         chunk_size = self.chunk_size or default_chunk_size()
         key = (call_signature(args), output.stride(), output.dtype, output.data_ptr() % 16,
-               output.data_ptr() == args.hidden_states.data_ptr(), chunk_size, config_state())
+               output.data_ptr() == args.hidden_states.data_ptr(), chunk_size, config_state(), preact is not None)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(args, chunk_size)
+            plan = self._plan(args, chunk_size, saves_preact=preact is not None)
             if len(self._plans) >= MAX_CALL_PLANS:
                 self._plans.clear()
             self._plans[key] = plan
@@ -157,30 +159,35 @@ class ModularKernel:
         if m == 0 and not self.prepare_finalize.runs_with_no_tokens():
             return output
         if plan.replay is None:
-            return self._run_planned(output, args, plan)
-        return plan.replay.run((output, *args), lambda: self._run_planned(output, args, plan))
+            return self._run_planned(output, args, plan, preact)
+        inputs = (output, *args) if preact is None else (output, *args, preact)
+        return plan.replay.run(inputs, lambda: self._run_planned(output, args, plan, preact))
 
-    def _run_planned(self, output: torch.Tensor, args: LayerArgs, plan: CallPlan) -> torch.Tensor:
+    def _run_planned(self, output: torch.Tensor, args: LayerArgs, plan: CallPlan,
+                     preact: torch.Tensor | None) -> torch.Tensor:
         with plan.launches.active():  # the first call of a signature records its launches, later ones replay them
-            return self._run_chunks(output, args, plan)
+            return self._run_chunks(output, args, plan, preact)
 
-    def _run_chunks(self, output: torch.Tensor, args: LayerArgs, plan: CallPlan) -> torch.Tensor:
+    def _run_chunks(self, output: torch.Tensor, args: LayerArgs, plan: CallPlan,
+                    preact: torch.Tensor | None) -> torch.Tensor:
         x, first = args.hidden_states, plan.chunks[0]
         if len(plan.chunks) == 1:  # one chunk (an empty one when a collective prepare/finalize must run): no slicing
             self._run_chunk(output, args, x, args.topk_ids, args.topk_weights, plan, first,
                             torch.empty(first.ws13, dtype=x.dtype, device=x.device),
-                            torch.empty(first.ws2, dtype=x.dtype, device=x.device))
+                            torch.empty(first.ws2, dtype=x.dtype, device=x.device), preact)
             return output
         workspace13 = torch.empty(math.prod(first.ws13), dtype=x.dtype, device=x.device)
         workspace2 = torch.empty(math.prod(first.ws2), dtype=x.dtype, device=x.device)
         for c in plan.chunks:
             rows = slice(c.start, c.end)
             self._run_chunk(output[rows], args, x[rows], args.topk_ids[rows], args.topk_weights[rows], plan, c,
-                            workspace13[: math.prod(c.ws13)].view(c.ws13), workspace2[: math.prod(c.ws2)].view(c.ws2))
+                            workspace13[: math.prod(c.ws13)].view(c.ws13), workspace2[: math.prod(c.ws2)].view(c.ws2),
+                            None if preact is None else preact[c.start * plan.topk: c.end * plan.topk])
         return output
 
-    def _plan(self, args: LayerArgs, chunk_size: int) -> CallPlan:
-        """Check a call and size its chunks and workspaces (once per call signature)."""
+    def _plan(self, args: LayerArgs, chunk_size: int, saves_preact: bool) -> CallPlan:
+        """Check a call and size its chunks and workspaces (once per call signature); a call that
+        saves its pre-activation takes no route that sums the top-k slots."""
         experts, pf = self.fused_experts, self.prepare_finalize
         check_layer_call(args, experts.quant_config)
         if args.expert_map is not None and not experts.supports_expert_map():
@@ -193,7 +200,7 @@ class ModularKernel:
         num_experts = args.global_num_experts if args.global_num_experts > 0 else e_local
         pf.check_local_experts(e_local)
         chunk = max(1, min(m, chunk_size) if experts.supports_chunking() else m)
-        may_reduce = pf.accepts_reduced_output()
+        may_reduce = pf.accepts_reduced_output() and not saves_preact
         chunks = []
         for start in range(0, max(m, 1), chunk):  # m == 0: one empty chunk
             end = min(m, start + chunk)
@@ -209,7 +216,7 @@ class ModularKernel:
 
     def _run_chunk(self, output: torch.Tensor, args: LayerArgs, x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor, plan: CallPlan, chunk: ChunkPlan, ws13: torch.Tensor,
-                   ws2: torch.Tensor) -> None:
+                   ws2: torch.Tensor, preact: torch.Tensor | None) -> None:
         experts, pf = self.fused_experts, self.prepare_finalize
         on_input = args.apply_router_weight_on_input
         prepared = pf.prepare(x, weights, ids, plan.num_experts, args.expert_map, on_input, experts.quant_config,
@@ -221,6 +228,7 @@ class ModularKernel:
             prepared.expert_num_tokens, prepared.topk_weights if prepared.topk_weights is not None else weights,
             prepared.topk_ids if prepared.topk_ids is not None else ids, args.w1, args.w2, args.expert_map,
             args.w1_scale, args.w2_scale, args.a2_scale, args.w1_bias, args.w2_bias, args.w1_zp, args.w2_zp, on_input,
+            preact,
         )
         experts.apply(fused_out, call, ws13, ws2)
         pf.finalize(output, fused_out, weights, ids, on_input, num_experts=plan.num_experts,

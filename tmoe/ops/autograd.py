@@ -38,7 +38,9 @@ def check_layer_inputs_trainable(inputs: tuple) -> None:
                     spec[_WEIGHT_DTYPE])
 
 
-def _layer_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+def _layer_setup(ctx, inputs: tuple, output: torch.Tensor, preact: torch.Tensor | None = None) -> None:
+    """Save what the backward reads; ``preact``: the forward's saved pre-activation
+    (``tmoe::modular_forward_train``), else None (the backward recomputes it)."""
     check_layer_inputs_trainable(inputs)
     call = LayerArgs(*inputs[:_NUM_LAYER_ARGS])
     ctx.num_inputs = len(inputs)
@@ -54,17 +56,24 @@ def _layer_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
     ctx.activation = call.activation_value()
     ctx.options = (call.apply_router_weight_on_input, call.global_num_experts)
     ctx.save_for_backward(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, call.expert_map,
-                          call.w1_bias, call.w2_bias, call.w1_scale, call.w2_scale)
+                          call.w1_bias, call.w2_bias, call.w1_scale, call.w2_scale, preact)
+
+
+def _train_setup(ctx, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    _layer_setup(ctx, inputs, output[0], output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # no zero gradient for preact (M * topk * 2N values) in the backward
 
 
 def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
-    """dx, dw1, dw2, dtopk_weights, db1, db2 of the layer: recompute the pre-activation from x,
-    the intermediate's gradient with the activation's derivative fused, then the input and weight
-    GEMMs. Weight gradients run only for weights that require grad (frozen experts skip them)."""
+    """dx, dw1, dw2, dtopk_weights, db1, db2 of the layer: the intermediate's gradient with the
+    activation's derivative fused (the pre-activation read from the forward's save, else recomputed
+    from x), then the input and weight GEMMs. Weight gradients run only for weights that require
+    grad (frozen experts skip them)."""
     if ctx.scheme is not None and ctx.block_shape is None:
         raise NotImplementedError(f"gradients through frozen quantized experts ({ctx.scheme}) are not supported yet "
                                   "(block fp8 is): run the quantized layer under torch.no_grad(), or train float experts")
-    x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, w1_scale, w2_scale = ctx.saved_tensors
+    x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, w1_scale, w2_scale, preact = ctx.saved_tensors
     act, (on_input, global_num_experts) = ctx.activation, ctx.options
     needs = ctx.needs_input_grad
     e_local = w1.shape[0]
@@ -88,7 +97,7 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     grad_h, inter, partial = tmoe.moe_grad_act(grad_out, x, w1, w2, topk_weights, sorted_ids, expert_ids,
                                                num_post_padded, block_m, w1_bias, w2_bias, act.name, act.alpha,
                                                act.limit, act.interleaved, on_input, w1_scale, w2_scale,
-                                               ctx.block_shape)
+                                               ctx.block_shape, preact)
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
     # Each workspace is released once its last reader ran (the peak holds the gradients and grad_h
     # only): dW2 = sum go^T (w a) first (inter holds w a; a alone when the forward scaled the input)
@@ -131,6 +140,16 @@ def register_layer_autograd(op: CustomOpDef) -> None:
     """The layer op's backward (``LayerArgs`` differentiable in hidden_states, w1, w2,
     topk_weights, w1_bias, w2_bias)."""
     op.register_autograd(_layer_backward, setup_context=_layer_setup)
+
+
+def _train_backward(ctx, grad_out: torch.Tensor, grad_preact: torch.Tensor | None) -> tuple:
+    return _layer_backward(ctx, grad_out)
+
+
+def register_train_autograd(op: CustomOpDef) -> None:
+    """The backward of ``tmoe::modular_forward_train``: the layer's, reading the saved
+    pre-activation (the op's second output, not differentiable)."""
+    op.register_autograd(_train_backward, setup_context=_train_setup)
 
 
 def _router_setup(ctx, inputs: tuple, output: tuple) -> None:

@@ -14,7 +14,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.kernels.activation import Activation
-from tmoe.kernels.moe_grad_act import grad_act_blocks, moe_grad_act as _grad_act
+from tmoe.kernels.moe_grad_act import check_preact, grad_act_blocks, moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
 from tmoe.kernels.moe_grad_weight import moe_grad_bias as _grad_bias, moe_grad_weight as _grad_weight
 from tmoe.kernels.operands import BlockScales
@@ -51,22 +51,26 @@ def moe_grad_act(
     w1_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, activation: str, swiglu_alpha: float | None,
     swiglu_limit: float | None, gate_up_interleaved: bool, apply_router_weight_on_input: bool,
     w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, block_shape: list[int] | None = None,
+    preact: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``;
-    frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``."""
+    frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``;
+    ``preact`` (M * topk, 2N): the forward's saved pre-activation (None: recomputed)."""
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
                      num_tokens_post_padded,
                      activation=Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved),
                      apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
-                     block_m=block_m, weight_scales=BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape))
+                     block_m=block_m, weight_scales=BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape),
+                     preact=preact)
 
 
 @moe_grad_act.register_fake
 def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
       w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
-      w1_scale=None, w2_scale=None, block_shape=None):
+      w1_scale=None, w2_scale=None, block_shape=None, preact=None):
     check_tensor("grad_out", grad_out, dtypes=FLOAT_DTYPES, ndim=2)
     BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
+    check_preact(preact, x, w1, topk_weights, apply_router_weight_on_input)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
     return (new((p, Activation(activation).rows_per_n * n)), new((p, n)),

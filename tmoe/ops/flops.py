@@ -1,5 +1,5 @@
 """FLOP formulas for ``torch.utils.flop_counter.FlopCounterMode`` (MFU): the layer ops, the GEMM
-stage ops and the backward GEMM ops (the backward counts the pre-activation it recomputes).
+stage ops and the backward GEMM ops (the backward counts the pre-activation when it recomputes it).
 ``register_flops(op, formula)`` registers one for any tmoe op; the formula takes the op's
 arguments by schema name, tensors as their shapes."""
 from __future__ import annotations
@@ -52,9 +52,10 @@ def gemm_down_flops(a: dict) -> int:
 
 def grad_act_flops(a: dict) -> int:
     """2·slots·K·(N + rows(w1)): the intermediate's gradient (grad_out @ w2) and the recomputed
-    pre-activation (x @ w1.T); slots = topk_weights' elements."""
+    pre-activation (x @ w1.T), 2·slots·K·N when the forward saved it (``preact``); slots =
+    topk_weights' elements."""
     slots = a["topk_weights"][0] * a["topk_weights"][1]
-    return 2 * slots * a["grad_out"][1] * (a["w2"][2] + a["w1"][1])
+    return 2 * slots * a["grad_out"][1] * (a["w2"][2] + (0 if a["preact"] is not None else a["w1"][1]))
 
 
 def grad_input_flops(a: dict) -> int:
@@ -72,6 +73,7 @@ def grad_weight_flops(a: dict) -> int:
 def register_all() -> None:
     ops = torch.ops.tmoe
     for op, formula in ((ops.modular_forward, layer_flops), (ops.modular_forward_, layer_flops),
+                        (ops.modular_forward_train, layer_flops),
                         (ops.moe_gemm_up, gemm_up_flops), (ops.moe_gemm_down, gemm_down_flops),
                         (ops.moe_grad_act, grad_act_flops), (ops.moe_grad_input, grad_input_flops),
                         (ops.moe_grad_weight, grad_weight_flops)):

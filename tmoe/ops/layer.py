@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from tmoe.modular.call import LayerArgs, layer_schema
-from tmoe.modular.checks import check_layer_call, check_no_overlap
+from tmoe.modular.checks import check_layer_call, check_no_overlap, saves_preactivation
 from tmoe.modular.kernel import SPEC_SCHEMA, KernelSpec, build
-from tmoe.ops.autograd import register_layer_autograd
+from tmoe.ops.autograd import register_layer_autograd, register_train_autograd
 
 _NUM_LAYER_ARGS = len(LayerArgs._fields)
 
@@ -37,6 +37,35 @@ def _(*args):
     return torch.empty_like(call.hidden_states)
 
 
+def _preact(call: LayerArgs, spec: KernelSpec) -> torch.Tensor:
+    """The pre-activation's buffer (M * topk, W1's rows), after checking the call can save it."""
+    if not saves_preactivation(call, spec.prepare_finalize, spec.experts, spec.quant.quant_name is not None):
+        raise ValueError(f"tmoe::modular_forward_train saves the pre-activation of TritonExperts behind "
+                         f"NoEPPrepareAndFinalize with float weights and the router weight on the output; got "
+                         f"{spec.prepare_finalize!r} + {spec.experts!r}, quant {spec.quant.quant_name}, "
+                         f"apply_router_weight_on_input={call.apply_router_weight_on_input}")
+    x = call.hidden_states
+    return x.new_empty((call.topk_ids.numel(), call.w1.shape[1]))
+
+
+@torch.library.custom_op("tmoe::modular_forward_train", mutates_args=(),
+                         schema=f"({layer_schema()}, {SPEC_SCHEMA}) -> (Tensor, Tensor)")
+def modular_forward_train(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (M, K), preact (M * topk, 2N)): ``modular_forward``'s output and each slot's
+    pre-activation (row t * topk + j; gate columns, then up; N columns for a *_no_mul activation),
+    which the backward reads instead of recomputing it (``tmoe.ops.autograd``)."""
+    call, spec = _split(args)
+    preact = _preact(call, spec)
+    return build(spec).run(torch.empty_like(call.hidden_states), call, preact), preact
+
+
+@modular_forward_train.register_fake
+def _(*args):
+    call, spec = _split(args)
+    check_layer_call(call, spec.quant)
+    return torch.empty_like(call.hidden_states), _preact(call, spec)
+
+
 @torch.library.custom_op("tmoe::modular_forward_", mutates_args=("hidden_states",),
                          schema=f"({layer_schema(mutable_first=True)}, {SPEC_SCHEMA}) -> ()")
 def modular_forward_(*args) -> None:
@@ -53,3 +82,4 @@ def _(*args):
 
 
 register_layer_autograd(modular_forward)
+register_train_autograd(modular_forward_train)

@@ -38,7 +38,7 @@ SHAPES = {
     "gpt_oss": Shape("gpt_oss", 32, 2880, 2880, 4),  # GPT-OSS-20B's experts (without their biases)
 }
 TINY = Shape("tiny", 4, 32, 64, 2)
-PROVIDERS = ("tmoe", "grouped_mm", "liger")
+PROVIDERS = ("tmoe", "tmoe_recompute", "grouped_mm", "liger")
 DEFAULT_MS = (1024, 4096, 16384)
 DISAGREE = 5e-2
 HEADER = ["shape", "M", "provider", "fwd+bwd ms", "peak MiB", "floor ms", "fraction", "speedup vs grouped_mm",
@@ -63,10 +63,12 @@ def _recover() -> None:
         pass
 
 
-def tmoe_layer(ids: torch.Tensor) -> Layer:
+def tmoe_layer(ids: torch.Tensor, save_preactivation: bool = True) -> Layer:
+    """tmoe's layer; ``save_preactivation`` False: the backward recomputes the pre-activation
+    (the "tmoe_recompute" provider)."""
     import tmoe
 
-    return lambda x, w1, w2, tw: tmoe.fused_experts(x, w1, w2, tw, ids)
+    return lambda x, w1, w2, tw: tmoe.fused_experts(x, w1, w2, tw, ids, save_preactivation=save_preactivation)
 
 
 def grouped_mm_layer(ids: torch.Tensor) -> Layer:
@@ -96,8 +98,8 @@ def provider_name(name: str, args: argparse.Namespace) -> str:
 
 
 def make_layer(name: str, ids: torch.Tensor, args: argparse.Namespace) -> Layer:
-    if name == "tmoe":
-        return tmoe_layer(ids)
+    if name in ("tmoe", "tmoe_recompute"):
+        return tmoe_layer(ids, save_preactivation=name == "tmoe")
     if name == "grouped_mm":
         return grouped_mm_layer(ids)
     if ids.device.type != "cuda":

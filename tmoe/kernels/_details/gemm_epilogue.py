@@ -23,13 +23,16 @@ def moe_epilogue(
     bias_ptrs,  # [BN] this expert's gate (or only) biases of the tile's columns (HAS_BIAS)
     topk_weights_ptr,  # [num_slots] float32
     out_scale_ptrs,  # [BM] pointers to each row's first output scale (QUANT_OUT)
+    pre_ptrs,  # [BM] pointers to each row of the saved pre-activation, gate columns then up (SAVE_PRE)
     pid_n, N, stride_osg, quant_eps, act_alpha, act_limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, MUL: tl.constexpr,
     INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr, SAVE_PRE: tl.constexpr,
 ):
     """Up GEMM (GATED): store act((w * x) @ W1 + b1) (the weight scales the input, not the bias),
     QUANT_OUT as fp8 codes and one scale per 1 x GROUP_OUT group (``per_token_group_quant_fp8``);
+    SAVE_PRE: also store the pre-activation (w * x) @ W1 + b1 in the saved tensor's dtype (gate
+    columns, then up columns at + N, whatever W1's row order), which training's backward reads;
     down GEMM: store w * (h @ W2 + b2). Up biases sit at + N (INTERLEAVED: + 1)."""
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
@@ -44,6 +47,13 @@ def moe_epilogue(
             if HAS_BIAS:
                 up_bias_offset = 1 if INTERLEAVED else N
                 up += tl.load(bias_ptrs + up_bias_offset, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if SAVE_PRE:
+            pre = pre_ptrs[:, None] + offs_n[None, :]  # [BM, BN]
+            mask_pre = mask_m[:, None] & mask_n[None, :]
+            tl.store(pre, acc.to(pre_ptrs.dtype.element_ty), mask=mask_pre)
+            if MUL:
+                tl.store(pre + N, up.to(pre_ptrs.dtype.element_ty), mask=mask_pre)
+        if MUL:
             acc = act_and_mul(acc, up, act_alpha, act_limit, ACTIVATION, CLAMP)
         else:
             acc = act_no_mul(acc, ACTIVATION)
