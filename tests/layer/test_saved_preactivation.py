@@ -123,3 +123,14 @@ def test_wrong_arguments_raise_naming_them():
         check_preact(torch.empty(16, 128, dtype=torch.float64, device=DEVICE), x, w1, tw, False)
     with pytest.raises(ValueError, match="preact"):
         check_preact(torch.empty(128, 16, device=DEVICE).t(), x, w1, tw, False)
+
+
+def test_replayed_calls_save_into_their_own_buffer():
+    """A signature's third call on replays its recorded launches (``tmoe.runtime.replay``): each
+    call's preact is its own, on fresh inputs every time."""
+    for seed in range(5):
+        args = _layer_args(20, 4, 64, 48, 2, torch.float32, seed=seed)
+        out, preact = torch.ops.tmoe.modular_forward_train(*args, *SPEC)
+        assert_close(preact, _preact_reference(args.hidden_states, args.w1, args.topk_ids, None, False),
+                     TOL[torch.float32], name=f"preact (call {seed})")
+        assert torch.equal(out, torch.ops.tmoe.modular_forward(*args, *SPEC))
