@@ -95,7 +95,10 @@ SCRIPT = textwrap.dedent("""
     # the backward kernels: the layer's (every operand by TMA; with biases, swigluoai interleaved: the
     # pointer path of moe_grad_act) and the router's
     train = [t.clone().requires_grad_() for t in (p.x, p.w1, p.w2, p.topk_weights)]
-    tmoe.fused_experts(*train, p.topk_ids).sum().backward()
+    tmoe.fused_experts(*train, p.topk_ids).sum().backward()  # the saved pre-activation (slot route's up GEMM)
+    with tmoe.override_route("grouped"):  # the grouped core's up GEMM storing the pre-activation
+        tmoe.fused_experts(*train, p.topk_ids).sum().backward()
+    tmoe.fused_experts(*train, p.topk_ids, save_preactivation=False).sum().backward()  # recomputed
     odd = make_problem(MoEShape(9, 4, 64, 100, 2), torch.bfloat16, "uniform", seed=0)  # 200-byte rows: pointers
     tmoe.fused_experts(*(t.requires_grad_() for t in (odd.x, odd.w1, odd.w2, odd.topk_weights)),
                        odd.topk_ids).sum().backward()

@@ -56,10 +56,12 @@ def _backward_cases():
     _, ids = ops.topk_route(logits, 2)
     (q1, s1), (q2, s2) = (tmoe.quantize_weight_per_block_fp8(w, (64, 64)) for w in (p.w1, p.w2))  # frozen block fp8
     fp8_act_args = (*act_args[:2], q1, q2, *act_args[4:], s1, s2, [64, 64])
+    preact = torch.randn(9 * 2, 128, device=DEVICE)  # the forward's saved pre-activation, row = slot
     return {
         "moe_grad_align": (ops.moe_grad_align, (p.topk_ids, 64, 4, None, None)),
         "moe_grad_align_map": (ops.moe_grad_align, (p.topk_ids, 128, 4, emap, 2)),
         "moe_grad_act": (ops.moe_grad_act, act_args),
+        "moe_grad_act_saved": (ops.moe_grad_act, (*act_args, None, None, None, preact)),
         "moe_grad_input": (ops.moe_grad_input, (grad_h, p.w1, partial, p.topk_weights, p.topk_ids, sorted_ids,
                                                 expert_ids, npp, 64, 4, None, None, False)),
         "moe_grad_act_fp8": (ops.moe_grad_act, fp8_act_args),
@@ -83,6 +85,7 @@ def _backward_cases():
 # opcheck's schema test multiplies the inputs, which torch has no CPU kernel for in float8: the fp8
 # cases run the other tests
 PARTIAL_OUTPUTS = {"moe_grad_act": ("test_schema", "test_autograd_registration", "test_faketensor"),
+                   "moe_grad_act_saved": ("test_schema", "test_autograd_registration", "test_faketensor"),
                    "moe_grad_act_fp8": ("test_autograd_registration", "test_faketensor"),
                    "moe_grad_input_fp8": ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")}
 

@@ -2,7 +2,7 @@
 
 For slot s (token t, local expert e, router weight w) with the output gradient go = dL/dout[t]:
     g   = go @ w2[e]                      (N)   the gradient of the intermediate before w
-    h   = x[t] @ w1[e].T (* w) + b1[e]    (2N)  the pre-activation, recomputed (never saved)
+    h   = x[t] @ w1[e].T (* w) + b1[e]    (2N)  the pre-activation, saved by the forward or recomputed
     a   = act(h)                          (N)   the intermediate, for dW2
     dh  = (w * g) * act'(h)               (2N)  (apply_router_weight_on_input: g * act'(h))
     dw  = <g, a> + <go, b2[e]>                  the router weight's gradient (on input: <dh, x[t] @ w1[e].T>)
@@ -22,7 +22,8 @@ through their tokens and the weights read by pointers (any strides, interleaved 
 (``moe_grad_input.sorted_input_grad`` on an aligned copy of grad_out: w2 read as stored) and
 rounded to x's dtype, as a torch autograd of the layer rounds it; the fused kernel's K loop then
 runs the two dots of the recomputed pre-activation alone (the forward's up GEMM, on wide tiles)
-and its epilogue loads g.
+and its epilogue loads g. With the forward's saved pre-activation (``preact``, rows = slots) no dot
+is left: g first, then this kernel is one elementwise pass that gathers h's rows through the slots.
 """
 from __future__ import annotations
 
@@ -75,6 +76,14 @@ def act_tiles(block_m: int) -> ActTiles:
     fused kernel on gathered rows stays, faster than TMA plus the aligned copies of grad_out and x
     (1.13x DeepSeek-V3 M = 4096, 1.19x Qwen3-30B-A3B M = 16384) and than g_first (1.02x, 1.16x)."""
     return ActTiles(128, 64, 8, 3, g_first=True) if block_m >= 128 else ActTiles(tma=False)
+
+
+def saved_act_tiles(block_m: int) -> ActTiles:
+    """``moe_grad_act``'s tiles with the forward's saved pre-activation (g first, then an
+    elementwise pass on pointers): 64 columns at 128-row blocks, where six [128, 128] float32 tiles
+    (h's halves, g, a and both derivatives) spilled registers (73 spill stores in the sm_90 SASS;
+    none at [128, 64] or [64, 128])."""
+    return ActTiles(64 if block_m >= 128 else 128, 64, 8, 3, tma=False, g_first=True)
 
 
 @triton.jit
@@ -272,9 +281,10 @@ def _moe_grad_act_kernel(
     tl.store(p_ptrs, tl.where(mask_m, part, 0.0))
 
 
-def grad_act_blocks(n: int, block_m: int) -> int:
-    """Column blocks of the ``partial`` output (one float32 per aligned row and block)."""
-    return cdiv(n, act_tiles(block_m).block_n)
+def grad_act_blocks(n: int, block_m: int, saved: bool = False) -> int:
+    """Column blocks of the ``partial`` output (one float32 per aligned row and block); ``saved``:
+    with the forward's saved pre-activation."""
+    return cdiv(n, (saved_act_tiles(block_m) if saved else act_tiles(block_m)).block_n)
 
 
 @with_interpreter_fixes
@@ -315,9 +325,9 @@ def moe_grad_act(
     alpha, limit, clamp = activation.floats()
     grad_h = torch.empty((p, per_n * n), dtype=x.dtype, device=x.device)
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
-    tiles = tiles or act_tiles(block_m)
     if preact is not None:  # no dot left in the kernel: g first, rows gathered by pointers (no copy of x)
-        tiles = replace(tiles, g_first=True, tma=False)
+        tiles = replace(tiles or saved_act_tiles(block_m), g_first=True, tma=False)
+    tiles = tiles or act_tiles(block_m)
     num_pid_n = cdiv(n, tiles.block_n)
     partial = torch.empty((p, num_pid_n), dtype=torch.float32, device=x.device)
     if p == 0:
@@ -350,7 +360,8 @@ def moe_grad_act(
            s1, s2, num_slots, n, k, alpha, limit, num_pid_m,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
            b1.stride(0), b2.stride(0), g.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
-           *scale_strides(s1), *scale_strides(s2), preact.stride(0) if preact is not None else 0, FP8_W=weight_scales is not None,
+           *scale_strides(s1), *scale_strides(s2), preact.stride(0) if preact is not None else 0,
+           FP8_W=weight_scales is not None,
            SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
            SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,
            TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, TMA=tma, G_FIRST=tiles.g_first,
