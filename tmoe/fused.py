@@ -72,7 +72,7 @@ def run_layer_op(args: LayerArgs, spec_args: tuple, inplace: bool, save_preactiv
     if needs_grad(args):  # before any launch: the composition and weights must have a backward
         check_layer_inputs_trainable((*args, *spec_args))
         pf, experts, quant_dtype, weight_dtype = spec_args[0], spec_args[3], spec_args[5], spec_args[9]
-        if save_preactivation and saves_preactivation(args, pf, experts, (quant_dtype or weight_dtype) is not None):
+        if save_preactivation and saves_preactivation(pf, experts, (quant_dtype or weight_dtype) is not None):
             return torch.ops.tmoe.modular_forward_train(*args, *spec_args)[0]
     return torch.ops.tmoe.modular_forward(*args, *spec_args)
 

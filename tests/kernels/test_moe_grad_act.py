@@ -106,7 +106,7 @@ def test_every_path_gives_float64_gradients(path, case, monkeypatch):
     ref = reference_grads(inputs, grad_out, **opts)
     for name, got in grads.items():
         assert_close(got, ref[name], GRAD_TOL[dtype], name=f"d{name}")
-    saved = save and not options.get("apply_router_weight_on_input")  # on the input: recomputed
+    saved = save
     tma = PATHS[path].tma and not options.get("gate_up_interleaved") and not saved
     expected = (PATHS[path].g_first or saved, tma, saved)
     assert [(kw["G_FIRST"], kw["TMA"], kw["SAVED"]) for kw in launched] == [expected], launched

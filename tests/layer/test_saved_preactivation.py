@@ -1,7 +1,7 @@
 """Training's saved pre-activation (``tmoe::modular_forward_train``): the forward's output is the
-inference op's, bit for bit, and each slot's row of ``preact`` is x @ w1[e].T + b1[e] (gate
-columns, then up) against float64, on every route that keeps the slots apart, chunked or not;
-calls it cannot serve recompute, and wrong arguments raise naming them."""
+inference op's, bit for bit, and each slot's row of ``preact`` is x @ w1[e].T (gate columns, then
+up; before the router weight and the bias) against float64, on every route that keeps the slots
+apart, chunked or not; calls it cannot serve recompute, and wrong arguments raise naming them."""
 import pytest
 import torch
 
@@ -18,11 +18,9 @@ TOL = {torch.float32: Tolerance(rel=1e-6, atol=1e-5, rtol=1e-4),
        torch.bfloat16: Tolerance(rel=1e-2, atol=2e-2, rtol=0.05)}
 
 
-def _preact_reference(x, w1, ids, b1, interleaved: bool) -> torch.Tensor:
-    """(M * topk, W1 rows) float64: slot t * topk + j is x[t] @ w1[e].T + b1[e], gate columns then up."""
+def _preact_reference(x, w1, ids, interleaved: bool = False) -> torch.Tensor:
+    """(M * topk, W1 rows) float64: slot t * topk + j is x[t] @ w1[e].T, gate columns then up."""
     h = torch.einsum("mk,mjrk->mjr", x.double(), w1.double()[ids.long()])
-    if b1 is not None:
-        h = h + b1.double()[ids.long()]
     if interleaved:
         h = torch.cat([h[..., 0::2], h[..., 1::2]], dim=-1)
     return h.reshape(ids.numel(), -1)
@@ -39,25 +37,27 @@ def _layer_args(m, e, n, k, topk, dtype, activation="silu", bias=False, interlea
 
 
 SPEC = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts()).spec.as_args()
-CASES = {  # (m, e, n, k, topk, dtype, activation, bias, interleaved)
-    "silu": (37, 4, 64, 48, 2, torch.float32, "silu", False, False),
-    "bf16-bias": (21, 4, 64, 48, 2, torch.bfloat16, "silu", True, False),
-    "swigluoai-interleaved": (13, 4, 32, 48, 2, torch.float32, "swigluoai", True, True),
-    "relu2_no_mul": (17, 6, 64, 32, 3, torch.float32, "relu2_no_mul", True, False),
+CASES = {  # (m, e, n, k, topk, dtype, activation, bias, interleaved, options)
+    "silu": (37, 4, 64, 48, 2, torch.float32, "silu", False, False, {}),
+    "bf16-bias": (21, 4, 64, 48, 2, torch.bfloat16, "silu", True, False, {}),
+    "swigluoai-interleaved": (13, 4, 32, 48, 2, torch.float32, "swigluoai", True, True, {}),
+    "relu2_no_mul": (17, 6, 64, 32, 3, torch.float32, "relu2_no_mul", True, False, {}),
+    "weight-on-input-bias": (11, 4, 64, 48, 1, torch.float32, "gelu", True, False,
+                             dict(apply_router_weight_on_input=True)),
 }
 
 
 @pytest.mark.parametrize("route", ["sorted", "slots", "grouped"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_saved_preactivation_matches_float64_and_output_is_unchanged(case, route):
-    m, e, n, k, topk, dtype, activation, bias, interleaved = CASES[case]
-    args = _layer_args(m, e, n, k, topk, dtype, activation, bias, interleaved, seed=m)
+    m, e, n, k, topk, dtype, activation, bias, interleaved, options = CASES[case]
+    args = _layer_args(m, e, n, k, topk, dtype, activation, bias, interleaved, seed=m, **options)
     with override_route(route):
         out, preact = torch.ops.tmoe.modular_forward_train(*args, *SPEC)
         plain = torch.ops.tmoe.modular_forward(*args, *SPEC)
     assert torch.equal(out, plain), "saving the pre-activation changed the layer's output"
     assert preact.shape == (m * topk, args.w1.shape[1]) and preact.dtype == dtype
-    ref = _preact_reference(args.hidden_states, args.w1, args.topk_ids, args.w1_bias, interleaved)
+    ref = _preact_reference(args.hidden_states, args.w1, args.topk_ids, interleaved)
     assert_close(preact, ref, TOL[dtype], name="preact")  # every row written: the conftest poisons with NaN
 
 
@@ -68,7 +68,7 @@ def test_chunked_calls_save_each_chunk_rows():
     args = _layer_args(23, 4, 64, 48, 2, torch.float32, seed=3)
     spec = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts(), chunk_size=5).spec.as_args()
     out, preact = torch.ops.tmoe.modular_forward_train(*args, *spec)
-    assert_close(preact, _preact_reference(args.hidden_states, args.w1, args.topk_ids, None, False),
+    assert_close(preact, _preact_reference(args.hidden_states, args.w1, args.topk_ids),
                  TOL[torch.float32], name="preact")
     assert_close(out, moe_reference(*args[:5]), TOL[torch.float32], name="out")
     with override_route("slots"):
@@ -92,15 +92,17 @@ def test_remote_and_out_of_range_slots_are_never_read():
     assert dead.any() and torch.all(grads[3][dead] == 0)
 
 
-def test_calls_it_cannot_serve_recompute():
-    """The router weight on the input, fp8 and low-bit experts: the recomputing op records the call."""
-    args = _layer_args(8, 4, 64, 48, 1, torch.float32, apply_router_weight_on_input=True)
-    x = args.hidden_states.requires_grad_()
-    out = tmoe.fused_experts(x, args.w1, args.w2, args.topk_weights, args.topk_ids,
-                             apply_router_weight_on_input=True)
+def test_frozen_fp8_experts_recompute():
+    """Frozen block-fp8 experts (x and the router weights train): the recomputing op records the call."""
+    args = _layer_args(8, 4, 128, 128, 2, torch.float32)
+    (q1, s1), (q2, s2) = (tmoe.quantize_weight_per_block_fp8(w, (128, 128)) for w in (args.w1, args.w2))
+    qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(128, 128))
+    out = tmoe.fused_experts(args.hidden_states.requires_grad_(), q1, q2, args.topk_weights, args.topk_ids,
+                             quant_config=qc, w1_scale=s1, w2_scale=s2)
     assert out.grad_fn.name() == "GeneratedBackwardFor_tmoe_modular_forward_defaultBackward", out.grad_fn.name()
-    with pytest.raises(ValueError, match="apply_router_weight_on_input"):
-        torch.ops.tmoe.modular_forward_train(*args, *SPEC)
+    spec = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts(qc)).spec.as_args()
+    with pytest.raises(ValueError, match="float weights"):
+        torch.ops.tmoe.modular_forward_train(*args._replace(w1=q1, w2=q2, w1_scale=s1, w2_scale=s2), *spec)
 
 
 def test_the_default_saves_and_the_keyword_recomputes():
@@ -124,11 +126,11 @@ def test_wrong_arguments_raise_naming_them():
     from tmoe.kernels.moe_grad_act import check_preact
     x, w1, tw = args.hidden_states, args.w1, args.topk_weights
     with pytest.raises(ValueError, match="preact"):
-        check_preact(torch.empty(16, 64, device=DEVICE), x, w1, tw, False)
+        check_preact(torch.empty(16, 64, device=DEVICE), x, w1, tw)
     with pytest.raises(TypeError, match="preact"):
-        check_preact(torch.empty(16, 128, dtype=torch.float64, device=DEVICE), x, w1, tw, False)
+        check_preact(torch.empty(16, 128, dtype=torch.float64, device=DEVICE), x, w1, tw)
     with pytest.raises(ValueError, match="preact"):
-        check_preact(torch.empty(128, 16, device=DEVICE).t(), x, w1, tw, False)
+        check_preact(torch.empty(128, 16, device=DEVICE).t(), x, w1, tw)
 
 
 def test_replayed_calls_save_into_their_own_buffer():
@@ -137,6 +139,6 @@ def test_replayed_calls_save_into_their_own_buffer():
     for seed in range(5):
         args = _layer_args(20, 4, 64, 48, 2, torch.float32, seed=seed)
         out, preact = torch.ops.tmoe.modular_forward_train(*args, *SPEC)
-        assert_close(preact, _preact_reference(args.hidden_states, args.w1, args.topk_ids, None, False),
+        assert_close(preact, _preact_reference(args.hidden_states, args.w1, args.topk_ids),
                      TOL[torch.float32], name=f"preact (call {seed})")
         assert torch.equal(out, torch.ops.tmoe.modular_forward(*args, *SPEC))

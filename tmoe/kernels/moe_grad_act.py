@@ -2,7 +2,7 @@
 
 For slot s (token t, local expert e, router weight w) with the output gradient go = dL/dout[t]:
     g   = go @ w2[e]                      (N)   the gradient of the intermediate before w
-    h   = x[t] @ w1[e].T (* w) + b1[e]    (2N)  the pre-activation, saved by the forward or recomputed
+    h   = x[t] @ w1[e].T (* w) + b1[e]    (2N)  the pre-activation (x[t] @ w1[e].T saved by the forward, or recomputed)
     a   = act(h)                          (N)   the intermediate, for dW2
     dh  = (w * g) * act'(h)               (2N)  (apply_router_weight_on_input: g * act'(h))
     dw  = <g, a> + <go, b2[e]>                  the router weight's gradient (on input: <dh, x[t] @ w1[e].T>)
@@ -22,8 +22,8 @@ through their tokens and the weights read by pointers (any strides, interleaved 
 (``moe_grad_input.sorted_input_grad`` on an aligned copy of grad_out: w2 read as stored) and
 rounded to x's dtype, as a torch autograd of the layer rounds it; the fused kernel's K loop then
 runs the two dots of the recomputed pre-activation alone (the forward's up GEMM, on wide tiles)
-and its epilogue loads g. With the forward's saved pre-activation (``preact``, rows = slots) no dot
-is left: g first, then this kernel is one elementwise pass that gathers h's rows through the slots.
+and its epilogue loads g. With the forward's saved x @ w1.T (``preact``, rows = slots) no dot is
+left: g first, then this kernel is one elementwise pass that gathers its rows through the slots.
 """
 from __future__ import annotations
 
@@ -227,20 +227,18 @@ def _moe_grad_act_kernel(
     if G_FIRST:  # rows of padding read zero
         acc_g = tl.load(g_ptr + rows[:, None] * stride_g + offs_n[None, :], mask=mask_out, other=0.0).to(tl.float32)
     w = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM] float32
-    if SAVED:  # the forward's pre-activation, biases included (the router weight is on the output)
+    if SAVED:  # x @ w1.T as the forward stored it (the router weight and the bias are applied below)
         pre = preact_ptr + tl.where(mask_m, slots, 0)[:, None] * stride_pre + offs_n[None, :]  # [BM, BN]
-        hg = tl.load(pre, mask=mask_out, other=0.0).to(tl.float32)
-        hu = hg  # read only when MUL
+        acc_gate = tl.load(pre, mask=mask_out, other=0.0).to(tl.float32)
         if MUL:
-            hu = tl.load(pre + N, mask=mask_out, other=0.0).to(tl.float32)
-    else:
-        if PAIRED:
-            acc_gate, acc_up = tl.split(tl.reshape(acc_pair, (BLOCK_M, BLOCK_N, 2)))
-        hg, hu = acc_gate, acc_up
+            acc_up = tl.load(pre + N, mask=mask_out, other=0.0).to(tl.float32)
+    elif PAIRED:
+        acc_gate, acc_up = tl.split(tl.reshape(acc_pair, (BLOCK_M, BLOCK_N, 2)))
+    hg, hu = acc_gate, acc_up
     if ON_INPUT:  # the forward scales the input: h = w * (x @ w1.T) + b1
         hg = hg * w[:, None]
         hu = hu * w[:, None]
-    if HAS_B1 and not SAVED:
+    if HAS_B1:
         if PAIRED:
             b1g, b1u = tl.split(tl.reshape(tl.load(b1_ptr + expert * stride_b1e + pair_rows, mask=mask_pair,
                                                    other=0.0).to(tl.float32), (BLOCK_N, 2)))
@@ -306,9 +304,9 @@ def moe_grad_act(
         weight_scales: frozen block-fp8 w1/w2 (float8_e4m3fn) and their block scales; the
             weights are dequantized to x's dtype in the K loop (x itself is not quantized).
         preact: (M * topk, 2N) (N for a *_no_mul activation), x's dtype, contiguous rows: the
-            forward's pre-activation of every slot (row = slot, gate columns then up, biases
-            included; ``check_preact``). Then nothing is recomputed: g = go @ w2 runs first
-            (g_first) and this kernel is elementwise, reading h from ``preact``.
+            forward's x @ w1[e].T of every slot (row = slot, gate columns then up; before the
+            router weight and the bias; ``check_preact``). Then nothing is recomputed: g = go @ w2
+            runs first (g_first) and this kernel is elementwise, reading h's product from ``preact``.
 
     Returns:
         grad_h (P, 2N) in aligned-row order and w1's row order, x's dtype (rows of padding and
@@ -318,7 +316,7 @@ def moe_grad_act(
         partial (P, cdiv(N, tiles.block_n)) float32, dL/dw of each aligned row per column block
         (P = sorted_ids.numel(); rows at or past num_post_padded are not written).
     """
-    check_preact(preact, x, w1, topk_weights, apply_router_weight_on_input)
+    check_preact(preact, x, w1, topk_weights)
     num_slots = topk_weights.numel()
     per_n = activation.rows_per_n
     n, k, p = w2.shape[2], x.shape[1], sorted_ids.shape[0]
@@ -375,18 +373,13 @@ def moe_grad_act(
     return grad_h, inter, partial
 
 
-def check_preact(preact: torch.Tensor | None, x: torch.Tensor, w1: torch.Tensor, topk_weights: torch.Tensor,
-                 apply_router_weight_on_input: bool) -> None:
-    """A saved pre-activation is (num_slots, W1's rows) in x's dtype with contiguous rows, on x's
-    device, and only with the router weight on the output (on the input, the router weight's
-    gradient needs x @ w1.T without it, which the save does not keep)."""
+def check_preact(preact: torch.Tensor | None, x: torch.Tensor, w1: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """A saved pre-activation is (num_slots, W1's rows) in x's dtype with contiguous rows, on x's device."""
     if preact is None:
         return
     check_tensor("preact", preact, dtypes=(x.dtype,), ndim=2, device=x.device)
     check_shape("preact", preact, (topk_weights.numel(), w1.shape[1]))
     check_last_dim_contiguous("preact", preact)
-    if apply_router_weight_on_input:
-        raise ValueError("preact cannot be given with apply_router_weight_on_input (the backward recomputes it)")
 
 
 def tma_operands_fit(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: Activation) -> bool:

@@ -206,13 +206,12 @@ def check_trainable(args: LayerArgs, prepare_finalize: str, experts: str, quant_
                                   "float weights, or freeze them (requires_grad_(False))")
 
 
-def saves_preactivation(args: LayerArgs, prepare_finalize: str, experts: str, quantized: bool) -> bool:
+def saves_preactivation(prepare_finalize: str, experts: str, quantized: bool) -> bool:
     """Whether a training call's forward can save its pre-activation for the backward (the layer op
-    ``tmoe::modular_forward_train``): ``TritonExperts`` behind ``NoEPPrepareAndFinalize``, float
-    weights (not ``quantized``: neither fp8 nor low-bit), the router weight on the output. Other
-    trainable calls recompute it in the backward."""
-    return ((prepare_finalize, experts) == ("noep", "triton") and not quantized
-            and not args.apply_router_weight_on_input)
+    ``tmoe::modular_forward_train``): ``TritonExperts`` behind ``NoEPPrepareAndFinalize`` with float
+    weights (not ``quantized``: neither fp8 nor low-bit). Other trainable calls recompute it in the
+    backward."""
+    return (prepare_finalize, experts) == ("noep", "triton") and not quantized
 
 
 def check_no_overlap(hidden_states: torch.Tensor) -> None:

@@ -70,7 +70,7 @@ def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_token
       w1_scale=None, w2_scale=None, block_shape=None, preact=None):
     check_tensor("grad_out", grad_out, dtypes=FLOAT_DTYPES, ndim=2)
     BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
-    check_preact(preact, x, w1, topk_weights, apply_router_weight_on_input)
+    check_preact(preact, x, w1, topk_weights)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
     return (new((p, Activation(activation).rows_per_n * n)), new((p, n)),

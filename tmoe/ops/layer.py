@@ -39,21 +39,20 @@ def _(*args):
 
 def _preact(call: LayerArgs, spec: KernelSpec) -> torch.Tensor:
     """The pre-activation's buffer (M * topk, W1's rows), after checking the call can save it."""
-    if not saves_preactivation(call, spec.prepare_finalize, spec.experts, spec.quant.quant_name is not None):
+    if not saves_preactivation(spec.prepare_finalize, spec.experts, spec.quant.quant_name is not None):
         raise ValueError(f"tmoe::modular_forward_train saves the pre-activation of TritonExperts behind "
-                         f"NoEPPrepareAndFinalize with float weights and the router weight on the output; got "
-                         f"{spec.prepare_finalize!r} + {spec.experts!r}, quant {spec.quant.quant_name}, "
-                         f"apply_router_weight_on_input={call.apply_router_weight_on_input}")
-    x = call.hidden_states
-    return x.new_empty((call.topk_ids.numel(), call.w1.shape[1]))
+                         f"NoEPPrepareAndFinalize with float weights; got {spec.prepare_finalize!r} + "
+                         f"{spec.experts!r}, quant {spec.quant.quant_name}")
+    return call.hidden_states.new_empty((call.topk_ids.numel(), call.w1.shape[1]))
 
 
 @torch.library.custom_op("tmoe::modular_forward_train", mutates_args=(),
                          schema=f"({layer_schema()}, {SPEC_SCHEMA}) -> (Tensor, Tensor)")
 def modular_forward_train(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (M, K), preact (M * topk, 2N)): ``modular_forward``'s output and each slot's
-    pre-activation (row t * topk + j; gate columns, then up; N columns for a *_no_mul activation),
-    which the backward reads instead of recomputing it (``tmoe.ops.autograd``)."""
+    """(out (M, K), preact (M * topk, 2N)): ``modular_forward``'s output and each slot's x @ w1[e].T,
+    the pre-activation before the router weight (apply_router_weight_on_input) and the bias (row
+    t * topk + j; gate columns, then up; N columns for a *_no_mul activation), which the backward
+    reads instead of recomputing it (``tmoe.ops.autograd``)."""
     call, spec = _split(args)
     preact = _preact(call, spec)
     return build(spec).run(torch.empty_like(call.hidden_states), call, preact), preact

@@ -31,12 +31,18 @@ def moe_epilogue(
 ):
     """Up GEMM (GATED): store act((w * x) @ W1 + b1) (the weight scales the input, not the bias),
     QUANT_OUT as fp8 codes and one scale per 1 x GROUP_OUT group (``per_token_group_quant_fp8``);
-    SAVE_PRE: also store the pre-activation (w * x) @ W1 + b1 in the saved tensor's dtype (gate
+    SAVE_PRE: also store x @ W1 (before the weight and the bias) in the saved tensor's dtype (gate
     columns, then up columns at + N, whatever W1's row order), which training's backward reads;
     down GEMM: store w * (h @ W2 + b2). Up biases sit at + N (INTERLEAVED: + 1)."""
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
     if GATED:
+        if SAVE_PRE:  # x @ W1 of the tile, before the router weight and the bias
+            pre = pre_ptrs[:, None] + offs_n[None, :]  # [BM, BN]
+            mask_pre = mask_m[:, None] & mask_n[None, :]
+            tl.store(pre, acc.to(pre_ptrs.dtype.element_ty), mask=mask_pre)
+            if MUL:
+                tl.store(pre + N, up.to(pre_ptrs.dtype.element_ty), mask=mask_pre)
         if MUL_ROUTED_WEIGHT:
             acc = acc * weight[:, None]
         if HAS_BIAS:
@@ -47,12 +53,6 @@ def moe_epilogue(
             if HAS_BIAS:
                 up_bias_offset = 1 if INTERLEAVED else N
                 up += tl.load(bias_ptrs + up_bias_offset, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if SAVE_PRE:
-            pre = pre_ptrs[:, None] + offs_n[None, :]  # [BM, BN]
-            mask_pre = mask_m[:, None] & mask_n[None, :]
-            tl.store(pre, acc.to(pre_ptrs.dtype.element_ty), mask=mask_pre)
-            if MUL:
-                tl.store(pre + N, up.to(pre_ptrs.dtype.element_ty), mask=mask_pre)
         if MUL:
             acc = act_and_mul(acc, up, act_alpha, act_limit, ACTIVATION, CLAMP)
         else:
