@@ -65,7 +65,7 @@ def test_sorted_input_grad_matches_float64(path, dtype, m, e, routing, remote, m
 
 
 # the paths of moe_grad_act, forced through the layer's backward at both align blocks; "saved"
-# reads the forward's pre-activation (g first, rows by pointers, on ``saved_act_tiles``: these unread)
+# reads the forward's pre-activation (g first, rows by pointers, whatever the tiles say)
 PATHS = {"fused-tma": ActTiles(128, 32, 8, 4), "fused-pointer": ActTiles(tma=False),
          "g_first-tma": ActTiles(64, 64, 8, 3, g_first=True), "g_first-pointer": ActTiles(64, 64, 8, 3, tma=False,
                                                                                               g_first=True),

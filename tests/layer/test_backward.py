@@ -280,7 +280,7 @@ def test_backward_workspaces_are_released_before_the_weight_gradients():
     assert ops[:2] == ["tmoe::moe_grad_align", "tmoe::moe_grad_act"], ops
     align_bytes = mode.log[0][1]
     act_bytes = mode.log[1][1] - align_bytes  # grad_h (P, 2N), inter (P, N), partial (P, parts) float32
-    rows = act_bytes // 4 // (2 * 256 + 256 + grad_act_blocks(256, grad_block_m(4), saved=True))  # P aligned rows
+    rows = act_bytes // 4 // (2 * 256 + 256 + grad_act_blocks(256, grad_block_m(4)))  # P aligned rows
     grad_h_bytes = rows * 2 * 256 * 4
     grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
     assert mode.peak <= grad_bytes + grad_h_bytes + align_bytes, (mode.peak, grad_bytes, grad_h_bytes, align_bytes)

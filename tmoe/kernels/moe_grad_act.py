@@ -78,13 +78,6 @@ def act_tiles(block_m: int) -> ActTiles:
     return ActTiles(128, 64, 8, 3, g_first=True) if block_m >= 128 else ActTiles(tma=False)
 
 
-def saved_act_tiles(block_m: int) -> ActTiles:
-    """``moe_grad_act``'s tiles with the forward's saved pre-activation (g first, then an
-    elementwise pass on pointers): 64 columns at 128-row blocks, where six [128, 128] float32 tiles
-    (h's halves, g, a and both derivatives) spilled registers (73 spill stores in the sm_90 SASS;
-    none at [128, 64] or [64, 128])."""
-    return ActTiles(64 if block_m >= 128 else 128, 64, 8, 3, tma=False, g_first=True)
-
 
 @triton.jit
 def _w1_rows_dot(acc, xt, w1_base, w_rows, offs_k, mask, s1_base, stride_w1r, stride_w1k, stride_s1r, stride_s1c,
@@ -279,10 +272,9 @@ def _moe_grad_act_kernel(
     tl.store(p_ptrs, tl.where(mask_m, part, 0.0))
 
 
-def grad_act_blocks(n: int, block_m: int, saved: bool = False) -> int:
-    """Column blocks of the ``partial`` output (one float32 per aligned row and block); ``saved``:
-    with the forward's saved pre-activation."""
-    return cdiv(n, (saved_act_tiles(block_m) if saved else act_tiles(block_m)).block_n)
+def grad_act_blocks(n: int, block_m: int) -> int:
+    """Column blocks of the ``partial`` output (one float32 per aligned row and block)."""
+    return cdiv(n, act_tiles(block_m).block_n)
 
 
 @with_interpreter_fixes
@@ -323,9 +315,9 @@ def moe_grad_act(
     alpha, limit, clamp = activation.floats()
     grad_h = torch.empty((p, per_n * n), dtype=x.dtype, device=x.device)
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
-    if preact is not None:  # no dot left in the kernel: g first, rows gathered by pointers (no copy of x)
-        tiles = replace(tiles or saved_act_tiles(block_m), g_first=True, tma=False)
     tiles = tiles or act_tiles(block_m)
+    if preact is not None:  # no dot left in the kernel: g first, rows gathered by pointers (no copy of x)
+        tiles = replace(tiles, g_first=True, tma=False)
     num_pid_n = cdiv(n, tiles.block_n)
     partial = torch.empty((p, num_pid_n), dtype=torch.float32, device=x.device)
     if p == 0:

@@ -74,7 +74,7 @@ def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_token
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
     return (new((p, Activation(activation).rows_per_n * n)), new((p, n)),
-            new((p, grad_act_blocks(n, block_m, preact is not None)), dtype=torch.float32))
+            new((p, grad_act_blocks(n, block_m)), dtype=torch.float32))
 
 
 @torch.library.custom_op("tmoe::moe_grad_input", mutates_args=())
