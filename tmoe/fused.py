@@ -9,8 +9,9 @@ import torch
 
 from tmoe.modular import KernelSpec, NoEPPrepareAndFinalize, TritonExperts, build
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, needs_grad, saves_preactivation
-from tmoe.ops.autograd import check_layer_inputs_trainable
+from tmoe.kernels.checks import boolean
+from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, needs_grad
+from tmoe.ops.autograd import check_layer_inputs_trainable, spec_saves_preactivation
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 _NO_QUANT = FusedMoEQuantConfig()
@@ -71,8 +72,7 @@ def run_layer_op(args: LayerArgs, spec_args: tuple, inplace: bool, save_preactiv
         return args.hidden_states
     if needs_grad(args):  # before any launch: the composition and weights must have a backward
         check_layer_inputs_trainable((*args, *spec_args))
-        pf, experts, quant_dtype, weight_dtype = spec_args[0], spec_args[3], spec_args[5], spec_args[9]
-        if save_preactivation and saves_preactivation(pf, experts, (quant_dtype or weight_dtype) is not None):
+        if save_preactivation and spec_saves_preactivation(spec_args):
             return torch.ops.tmoe.modular_forward_train(*args, *spec_args)[0]
     return torch.ops.tmoe.modular_forward(*args, *spec_args)
 
@@ -130,8 +130,7 @@ def fused_experts(
     if type(quant_config) is not FusedMoEQuantConfig:
         raise TypeError(f"quant_config must be a tmoe.FusedMoEQuantConfig (e.g. FusedMoEQuantConfig(torch.float8_e4m3fn)), "
                         f"got {quant_config!r}")
-    if not isinstance(save_preactivation, bool):
-        raise TypeError(f"save_preactivation must be a bool, got {type(save_preactivation).__name__}")
+    save_preactivation = boolean("save_preactivation", save_preactivation)  # checked on every path
     if takes_op_path(args):
         return run_layer_op(args, _default_spec_args(quant_config), inplace, save_preactivation)
     return run_layer(args, _default_spec(quant_config), inplace)

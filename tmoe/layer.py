@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tmoe.kernels.checks import FLOAT_DTYPES, positive_int
+from tmoe.kernels.checks import FLOAT_DTYPES, boolean, positive_int
 from tmoe.kernels.activation import Activation
 from tmoe.fused import takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
@@ -41,9 +41,7 @@ class FusedMoEModularKernel(nn.Module):
         self.spec = KernelSpec.of(prepare_finalize, fused_experts, chunk_size)
         self.prepare_finalize, self.fused_experts, self.chunk_size = prepare_finalize, fused_experts, chunk_size
         self._spec_args = self.spec.as_args()
-        if not isinstance(save_preactivation, bool):
-            raise TypeError(f"save_preactivation must be a bool, got {type(save_preactivation).__name__}")
-        self.save_preactivation = save_preactivation
+        self.save_preactivation = boolean("save_preactivation", save_preactivation)
 
     def forward(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, inplace: bool = False, **options) -> torch.Tensor:

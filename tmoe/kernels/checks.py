@@ -45,6 +45,13 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous along its last dimension (stride {t.stride(-1)})")
 
 
+def boolean(name: str, value: object) -> bool:
+    """``value`` if it is a bool, else a TypeError naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def positive_int(name: str, value: object) -> int:
     """``value`` if it is a positive int (not a bool), else a TypeError/ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -78,7 +78,6 @@ def act_tiles(block_m: int) -> ActTiles:
     return ActTiles(128, 64, 8, 3, g_first=True) if block_m >= 128 else ActTiles(tma=False)
 
 
-
 @triton.jit
 def _w1_rows_dot(acc, xt, w1_base, w_rows, offs_k, mask, s1_base, stride_w1r, stride_w1k, stride_s1r, stride_s1c,
                  FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, PRECISION: tl.constexpr):

@@ -11,7 +11,7 @@ from tmoe.kernels.gemm_args import stored_transposed
 from tmoe.kernels.moe_grad_act import grad_block_m
 from tmoe.modular.alltoall import kept_slot_ids
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_trainable
+from tmoe.modular.checks import check_trainable, saves_preactivation
 from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_*)
 
 _NUM_LAYER_ARGS = len(LayerArgs._fields)
@@ -36,6 +36,12 @@ def check_layer_inputs_trainable(inputs: tuple) -> None:
     spec = inputs[_NUM_LAYER_ARGS:]
     check_trainable(LayerArgs(*inputs[:_NUM_LAYER_ARGS]), spec[_PF], spec[_EXPERTS], spec[_QUANT_DTYPE],
                     spec[_WEIGHT_DTYPE])
+
+
+def spec_saves_preactivation(spec_args: tuple) -> bool:
+    """``saves_preactivation`` of a layer op call's ``KernelSpec`` arguments (``SPEC_SCHEMA``'s order)."""
+    quantized = (spec_args[_QUANT_DTYPE] or spec_args[_WEIGHT_DTYPE]) is not None
+    return saves_preactivation(spec_args[_PF], spec_args[_EXPERTS], quantized)
 
 
 def _layer_setup(ctx, inputs: tuple, output: torch.Tensor, preact: torch.Tensor | None = None) -> None:
