@@ -33,10 +33,13 @@ GRAD_TOL = {torch.float32: Tolerance(rel=1e-5, atol=1e-5, rtol=1e-3),
 
 @pytest.mark.parametrize("path", list(INPUT_TILES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("m, e, routing, remote", [
-    (37, 4, "skewed", False), (29, 6, "uniform", True), (23, 6, "out_of_range", False), (1, 4, "uniform", False),
+@pytest.mark.parametrize("m, e, routing, remote, skip_remote", [
+    (37, 4, "skewed", False, False), (29, 6, "uniform", True, True), (29, 6, "uniform", True, False),
+    (23, 6, "out_of_range", False, True), (1, 4, "uniform", False, False),
 ], ids=str)
-def test_sorted_input_grad_matches_float64(path, dtype, m, e, routing, remote, monkeypatch):
+def test_sorted_input_grad_matches_float64(path, dtype, m, e, routing, remote, skip_remote, monkeypatch):
+    """``skip_remote=False`` flattens the persistent tile loop (uniform K loop): remote blocks then
+    run their K loop on zeros and must still write nothing."""
     r_dim, c_dim, topk, block_m = 40, 72, 2, 32
     p = make_problem(MoEShape(m, e, 8, 8, topk), dtype, routing, seed=m + e, device=DEVICE)
     g = torch.Generator().manual_seed(m)
@@ -53,7 +56,8 @@ def test_sorted_input_grad_matches_float64(path, dtype, m, e, routing, remote, m
     launch = grad_input_module.launch
     monkeypatch.setattr(grad_input_module, "launch",
                         lambda k, *a, **kw: (launched.append(a[1]), launch(k, *a, **kw))[1])
-    out = sorted_input_grad(d, w, sorted_ids, expert_ids, npp, m * topk, block_m=block_m, tiles=INPUT_TILES[path])
+    out = sorted_input_grad(d, w, sorted_ids, expert_ids, npp, m * topk, block_m=block_m, tiles=INPUT_TILES[path],
+                            skip_remote=skip_remote)
     assert (type(launched[-1]) is torch.Tensor) == (path == "pointer"), "the TMA path loads w by its descriptor"
     assert out.shape == (rows, c_dim) and out.dtype == dtype
     expert_of_row = expert_ids.long().repeat_interleave(block_m)[:rows].cpu()

@@ -333,7 +333,8 @@ def moe_grad_act(
     if tiles.g_first:
         g = sorted_input_grad(go_rows, w2, sorted_ids, expert_ids, num_post_padded, num_slots, block_m=block_m,
                               weight_scale=weight_scales.w2_scale if weight_scales else None,
-                              block_shape=weight_scales.block_shape if weight_scales else None)
+                              block_shape=weight_scales.block_shape if weight_scales else None,
+                              skip_remote=preact is None)  # a saving forward had no expert map
     else:
         g = inter  # not read
     if tma:  # grad_out and x rows copied into aligned order (padding rows zero), every operand by TMA

@@ -1,19 +1,22 @@
 """Backward of an expert GEMM to its input, and the router weights' gradients.
 
-Per aligned row block of expert e (one program per BLOCK_M rows and BLOCK_N output columns):
+Per aligned row block of expert e and BLOCK_N output columns (one output tile):
     da_s = d_s @ w[e]          an M-grouped GEMM with w (E, R, C) read as stored (no transposed copy)
 ``moe_grad_input`` runs it on the up GEMM (d = dh (P, 2N), w = w1, da = dx (K)): written per slot,
 then summed over each token's top-k slots in a fixed order by the reduce stage
 (``tmoe.kernels.reduce.moe_reduce``; apply_router_weight_on_input multiplies by the router weight
-there); the programs of the first column block also sum each row's partial router-weight
+there); the tiles of the first column block also sum each row's partial router-weight
 gradients (``moe_grad_act``) in a fixed order. ``sorted_input_grad`` runs it on the down GEMM
 (d = grad_out's rows in aligned order, w = w2, da (P, N) in aligned order: ``moe_grad_act``'s
-``g_first`` path). No atomics: deterministic. Tiles run in grouped
-order (``sizes.row_group`` row blocks sweep the column blocks together), so each row block's dh is
-read from memory about once, not once per column block. Where TMA can address dh and w1 (float
-w1 with K contiguous; ``InputTiles.tma``), both load by TMA descriptors: dh's rows are one
-expert's aligned block, w1's a [BLOCK_R, BLOCK_N] box of the expert (rows past 2N read zero);
-else by pointers.
+``g_first`` path). No atomics: deterministic. As on the forward's grouped core
+(``moe_grouped_gemm``), at most one program per SM walks the valid tiles (their count read from
+num_post_padded) in grouped order (``sizes.row_group`` row blocks sweep the column blocks together,
+so each row block's dh is read from memory about once, not once per column block). Where TMA can
+address dh and w1 (float w1 with K contiguous; ``InputTiles.tma``), both load by TMA descriptors
+through the core's tile matmul (``moe_tile_matmul_tma``, w read as stored): dh's rows are one
+expert's aligned block, w1's a [BLOCK_R, BLOCK_N] box of the expert (rows past 2N read zero), and
+the tile loop is flattened (the next tile's loads issue during this tile's epilogue) unless an
+expert map may mark blocks remote; else by pointers.
 """
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.common import dequant_block
-from tmoe.kernels._details.tile_matmul import tile_ids
+from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
+from tmoe.runtime.device import persistent_programs
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 from tmoe.kernels.reduce import moe_reduce
@@ -48,7 +52,7 @@ class InputTiles:
     tma: bool = True
 
 
-@triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
+@triton.jit(do_not_specialize=['num_slots'])
 def _moe_grad_input_kernel(
     grad_h_src,  # [P, W1_ROWS] aligned rows (TMA: its descriptor, block [BLOCK_M, BLOCK_R])
     w1_src,  # [E, W1_ROWS, K] (TMA: its descriptor, block [1, BLOCK_R, BLOCK_N])
@@ -59,68 +63,80 @@ def _moe_grad_input_kernel(
     grad_slots_ptr,  # [num_slots, K] out (SORTED_OUT: [P, K], aligned rows)
     grad_weights_ptr,  # [num_slots] float32 out, zero-filled by the launcher (ROUTER_GRAD)
     s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s)
-    num_slots, W1_ROWS, K, num_parts, num_pid_m,
+    num_slots, W1_ROWS, K, num_parts,
     stride_hm, stride_w1e, stride_w1r, stride_w1k, stride_sm, stride_pm, stride_s1e, stride_s1r, stride_s1c,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
     GROUP_M: tl.constexpr, TMA: tl.constexpr, ROUTER_GRAD: tl.constexpr, SORTED_OUT: tl.constexpr,
+    SKIP_REMOTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
-    pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(K, BLOCK_N), GROUP_M)
-    pid_m = pid_m.to(tl.int64)
-    pid_n = pid_n.to(tl.int64)
-    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-        return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    slots = tl.load(sorted_ids_ptr + rows).to(tl.int64)
-    mask_m = slots < num_slots
-    if ROUTER_GRAD:
-        if pid_n == 0:  # the router weights' gradient: the row's partials, in column-block order
-            acc_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for c0 in range(0, num_parts, PARTS_BLOCK):
-                offs_c = c0 + tl.arange(0, PARTS_BLOCK)
-                part = tl.load(partial_ptr + rows[:, None] * stride_pm + offs_c[None, :],
-                               mask=offs_c[None, :] < num_parts, other=0.0)  # [BM, PB]
-                acc_w += tl.sum(part, axis=1)
-            tl.store(grad_weights_ptr + slots, acc_w, mask=mask_m)
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if expert < 0:  # remote: the reduce never reads these slots
-        return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of K
-    mask_n = offs_n < K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, W1_ROWS, BLOCK_R):
+    num_pid_n = tl.cdiv(K, BLOCK_N)
+    num_valid_m = tl.load(num_post_padded_ptr) // BLOCK_M
+    for tile in tl.range(tl.program_id(0), num_valid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
+        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        slots = tl.load(sorted_ids_ptr + rows).to(tl.int64)
+        mask_m = slots < num_slots
+        if ROUTER_GRAD:
+            if pid_n == 0:  # the router weights' gradient: the row's partials, in column-block order
+                acc_w = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                for c0 in range(0, num_parts, PARTS_BLOCK):
+                    offs_c = c0 + tl.arange(0, PARTS_BLOCK)
+                    part = tl.load(partial_ptr + rows[:, None] * stride_pm + offs_c[None, :],
+                                   mask=offs_c[None, :] < num_parts, other=0.0)  # [BM, PB]
+                    acc_w += tl.sum(part, axis=1)
+                tl.store(grad_weights_ptr + slots, acc_w, mask=mask_m)
+        expert = tl.load(expert_ids_ptr + pid_m)
+        local = expert >= 0  # remote blocks (-1): the reduce never reads their slots
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of K
+        mask_n = offs_n < K
         if TMA:
-            dh = grad_h_src.load([(pid_m * BLOCK_M).to(tl.int32), r0])  # [BM, BR]
-            w = w1_src.load([expert.to(tl.int32), r0, (pid_n * BLOCK_N).to(tl.int32)]).reshape(BLOCK_R, BLOCK_N)
+            # A uniform K loop lets the tile loop flatten (the next tile's loads issue during this
+            # one's epilogue); a remote block then reads zeros (TMA past the experts) and stores nothing
+            if SKIP_REMOTE:
+                k_end = tl.where(local, W1_ROWS, 0)
+            else:
+                k_end = W1_ROWS
+            every_row = tl.full((BLOCK_M,), 1, tl.int1)
+            acc, _ = moe_tile_matmul_tma(
+                grad_h_src, w1_src, pid_m * BLOCK_M, every_row, expert, pid_n * BLOCK_N, 0, W1_ROWS,
+                partial_ptr, partial_ptr, k_end, 0, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_R, 1, 1, "none", False, False,
+                True, PRECISION, A_DESC=True, W_KN=True,
+            )  # [BM, BN] float32
         else:
-            offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
-            mask_r = offs_r < W1_ROWS
-            dh = tl.load(grad_h_src + rows[:, None] * stride_hm + offs_r[None, :], mask=mask_r[None, :],
-                         other=0.0)  # [BM, BR]
-            mask_w = mask_r[:, None] & mask_n[None, :]
-            w = tl.load(w1_src + expert * stride_w1e + offs_n[None, :] * stride_w1k + offs_r[:, None] * stride_w1r,
-                        mask=mask_w, other=0.0)  # [BR, BN]
-            if FP8_W:  # frozen block-fp8 w1, dequantized in registers
-                w = dequant_block(w, s1_ptr + expert * stride_s1e, offs_r[:, None], offs_n[None, :], stride_s1r,
-                                  stride_s1c, mask_w, SCALE_R, SCALE_C, grad_h_src.dtype.element_ty)
-        acc = tl.dot(dh, w, acc, input_precision=PRECISION)
-    if SORTED_OUT:  # every row of the block (padding rows: zero rows of d give zeros)
-        tl.store(grad_slots_ptr + rows[:, None] * stride_sm + offs_n[None, :],
-                 acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_n[None, :])
-    else:
-        tl.store(grad_slots_ptr + slots[:, None] * stride_sm + offs_n[None, :],
-                 acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            w_base = w1_src + expert.to(tl.int64) * stride_w1e  # read only where local
+            s_base = s1_ptr + expert.to(tl.int64) * stride_s1e
+            for r0 in range(0, tl.where(local, W1_ROWS, 0), BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)  # [BR]
+                mask_r = offs_r < W1_ROWS
+                dh = tl.load(grad_h_src + rows[:, None] * stride_hm + offs_r[None, :], mask=mask_r[None, :],
+                             other=0.0)  # [BM, BR]
+                mask_w = mask_r[:, None] & mask_n[None, :]
+                w = tl.load(w_base + offs_n[None, :] * stride_w1k + offs_r[:, None] * stride_w1r, mask=mask_w,
+                            other=0.0)  # [BR, BN]
+                if FP8_W:  # frozen block-fp8 w1, dequantized in registers
+                    w = dequant_block(w, s_base, offs_r[:, None], offs_n[None, :], stride_s1r, stride_s1c, mask_w,
+                                      SCALE_R, SCALE_C, grad_h_src.dtype.element_ty)
+                acc = tl.dot(dh, w, acc, input_precision=PRECISION)
+        if SORTED_OUT:  # every row of the block (padding rows: zero rows of d give zeros)
+            tl.store(grad_slots_ptr + rows[:, None] * stride_sm + offs_n[None, :],
+                     acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_n[None, :] & local)
+        else:
+            tl.store(grad_slots_ptr + slots[:, None] * stride_sm + offs_n[None, :],
+                     acc.to(grad_slots_ptr.dtype.element_ty), mask=(mask_m & local)[:, None] & mask_n[None, :])
 
 
 def _launch(
     d: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_post_padded: torch.Tensor, num_slots: int, block_m: int, tiles: InputTiles,
-    scale: torch.Tensor | None, block_shape: tuple[int, int] | None, partial: torch.Tensor | None = None,
-    grad_weights: torch.Tensor | None = None,
+    scale: torch.Tensor | None, block_shape: tuple[int, int] | None, skip_remote: bool,
+    partial: torch.Tensor | None = None, grad_weights: torch.Tensor | None = None,
 ) -> None:
     """da = d @ w[e] per aligned row block into ``out``: rows = slots, or aligned rows when no
     ``partial`` is given (then no router-weight gradient either). ``scale``/``block_shape``: a
-    frozen block-fp8 ``w``'s scales."""
+    frozen block-fp8 ``w``'s scales. ``skip_remote``: remote blocks (expert id -1) may be many (an
+    expert map): they skip their K loop, and the tile loop does not flatten."""
     p, (rows_w, cols) = d.shape[0], w.shape[1:]
     if p == 0:
         return
@@ -135,16 +151,17 @@ def _launch(
         d_src, w_src = d, w
     partial = partial if router_grad else out
     s = scale if scale is not None else partial
-    launch(_moe_grad_input_kernel, (num_pid_m * cdiv(cols, tiles.block_n),),
+    programs = persistent_programs(d.device, num_pid_m * cdiv(cols, tiles.block_n))
+    launch(_moe_grad_input_kernel, (programs,),
            d_src, w_src, partial, sorted_ids, expert_ids, num_post_padded, out,
            grad_weights if router_grad else out, s,
-           num_slots, rows_w, cols, partial.shape[1] if router_grad else 0, num_pid_m,
+           num_slots, rows_w, cols, partial.shape[1] if router_grad else 0,
            d.stride(0), *w.stride(), out.stride(0), partial.stride(0), *scale_strides(s),
            BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK,
            PRECISION="ieee" if fp32 else "tf32", FP8_W=scale is not None,
            SCALE_R=block_shape[0] if block_shape else 1, SCALE_C=block_shape[1] if block_shape else 1,
            GROUP_M=row_group(block_m * rows_w * d.element_size()), TMA=tma, ROUTER_GRAD=router_grad,
-           SORTED_OUT=not router_grad, num_warps=tiles.num_warps,
+           SORTED_OUT=not router_grad, SKIP_REMOTE=skip_remote, NUM_PROGRAMS=programs, num_warps=tiles.num_warps,
            num_stages=backward_stages(tiles.num_stages, fp32, scale is not None))
 
 
@@ -152,7 +169,7 @@ def _launch(
 def sorted_input_grad(
     d: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_post_padded: torch.Tensor, num_slots: int, *, block_m: int, weight_scale: torch.Tensor | None = None,
-    block_shape: tuple[int, int] | None = None, tiles: InputTiles = InputTiles(),
+    block_shape: tuple[int, int] | None = None, tiles: InputTiles = InputTiles(), skip_remote: bool = True,
 ) -> torch.Tensor:
     """da (P, C) in aligned-row order, d's dtype: da = d @ w[e] for each aligned row block of expert e.
 
@@ -162,11 +179,14 @@ def sorted_input_grad(
             cdiv(C, bk)) float32 and ``block_shape`` (bn, bk)), any strides.
         sorted_ids, expert_ids, num_post_padded: the align of block ``block_m`` that ordered d;
             num_slots: the sentinel of sorted_ids.
+        skip_remote: expert ids may be -1 (remote: an expert map); False where none is, so the
+            persistent tile loop flattens (a -1 block is then still correct, its K loop run on zeros).
 
     Rows at or past num_post_padded and rows of remote experts (expert id -1) are not written.
     """
     out = torch.empty((d.shape[0], w.shape[2]), dtype=d.dtype, device=d.device)
-    _launch(d, w, out, sorted_ids, expert_ids, num_post_padded, num_slots, block_m, tiles, weight_scale, block_shape)
+    _launch(d, w, out, sorted_ids, expert_ids, num_post_padded, num_slots, block_m, tiles, weight_scale, block_shape,
+            skip_remote)
     return out
 
 
@@ -196,7 +216,7 @@ def moe_grad_input(
     grad_weights = torch.zeros((m, topk), dtype=torch.float32, device=dev)
     _launch(grad_h, w1, grad_slots, sorted_ids, expert_ids, num_post_padded, m * topk, block_m, tiles,
             weight_scales.w1_scale if weight_scales else None, weight_scales.block_shape if weight_scales else None,
-            partial, grad_weights)
+            expert_map is not None, partial, grad_weights)
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,
                topk_weights if apply_router_weight_on_input else None, expert_map, grad_x,

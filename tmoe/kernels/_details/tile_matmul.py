@@ -125,10 +125,13 @@ def moe_tile_matmul_tma(
     EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     A_DESC: tl.constexpr = False,
+    W_KN: tl.constexpr = False,
 ):
     """float32 ([BM, BN], [BM, BN]) = A[rows, :K] @ W[expert, col:col + BN, :K]^T for col = col_0
     and, TWO_TILES (the gate and up halves of W1), col_1; W is read by TMA, A by pointers or, A_DESC
-    (the grouped core: the tile's rows are one expert's run of sorted rows), by TMA too.
+    (the grouped core: the tile's rows are one expert's run of sorted rows), by TMA too. W_KN (the
+    backward's M-grouped GEMMs, A @ W[expert, :K, col:col + BN]): W [E, K, C] read as stored, its
+    descriptor's block [1, BK, BN] (``QUANT`` "none").
     Dequantized as moe_tile_matmul; UNIFORM_W_SCALE (block quantization, each tile inside one
     GROUP_N group of W rows) loads one weight scale per tile and K group."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -150,7 +153,10 @@ def moe_tile_matmul_tma(
             a = tl.load(a_src, mask=mask_m[:, None], other=0.0)
         else:
             a = tl.load(a_src, mask=mask_m[:, None] & (offs_k[None, :] < K - k * BLOCK_K), other=0.0)
-        b_0 = w_desc.load([expert, col_0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T  # [BK, BN]
+        if W_KN:
+            b_0 = w_desc.load([expert, k * BLOCK_K, col_0]).reshape(BLOCK_K, BLOCK_N)  # [BK, BN]
+        else:
+            b_0 = w_desc.load([expert, col_0, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T  # [BK, BN]
         if TWO_TILES:
             b_1 = w_desc.load([expert, col_1, k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
         if QUANT == "block":
