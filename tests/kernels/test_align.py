@@ -35,6 +35,7 @@ CASES = [
     Case(700, 2, 16, 32, "skewed"),
     Case(100, 8, 128, 16, "skewed"),  # E=128: 32-slot sub-tiles, seven 128-slot chunks
     Case(33, 8, 256, 64, "out_of_range"),  # E=256: 64-slot chunks
+    Case(300, 8, 256, 64, "skewed"),  # E=256: 38 chunks, more than one scan step (32 chunks a step)
     Case(64, 2, 8, 16, "uniform", expert_map=True),
     Case(600, 2, 8, 16, "out_of_range", expert_map=True),
 ]

@@ -32,6 +32,9 @@ SUBS_PER_CHUNK = 4  # sub-tiles each program walks in sequence (each step depend
 # changing it, ``tmoe.runtime.state.clear_launch_caches()``.
 SORT_MAX_SLOTS = 1024
 SORT_SLOT_LIMIT = 4096  # the sorting program holds every slot's key in registers: at most this many
+# The scan is one program, each step a dependent [CT, E_PAD] load of the chunk counts: 16 warps
+# over 8192 counts a step (no spills on sm_90 at E_PAD 16-256; 4 warps over 4096 spilled at 256)
+SCAN_TILE_ELEMENTS, SCAN_WARPS = 8192, 16
 
 
 @triton.jit(do_not_specialize=['numel', 'max_padded', 'num_blocks'])
@@ -230,7 +233,8 @@ def _align_into(
     launch(_align_count_kernel, (num_chunks,), topk_ids, counts, numel, num_experts, CHUNK=chunk, E_PAD=e_pad, **pdl)
     launch(_align_scan_kernel, (1,),
         counts, sorted_ids, expert_ids, num_post_padded, emap, offsets, num_chunks, numel, num_experts,
-        num_local_experts, max_padded, num_blocks, CT=max(1, 4096 // e_pad), **meta, **pdl,
+        num_local_experts, max_padded, num_blocks, CT=max(1, SCAN_TILE_ELEMENTS // e_pad), num_warps=SCAN_WARPS,
+        **meta, **pdl,
     )
     launch(_align_scatter_kernel, (num_chunks,),
         topk_ids, sorted_ids, counts, numel, num_experts, CHUNK=chunk, SUB=sub, E_PAD=e_pad, **pdl
