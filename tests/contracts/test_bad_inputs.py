@@ -10,12 +10,14 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import pytest
 import torch
 
 import tmoe
 from tmoe.reference import moe_reference
+from tmoe.runtime import interpreter
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem
 
@@ -177,6 +179,14 @@ class Row:
     match: str  # regex the message must contain (it names the argument)
 
 
+def _cpu_tensors_off_interpreter():
+    """CPU tensors where the kernels run on a GPU (the interpreter off): a model left on the CPU of a
+    GPU machine. Raised before any launch (Triton's own error names no argument)."""
+    p = make_problem(MoEShape(M, E, N, K, TOPK), torch.float32, "uniform", seed=3, device="cpu")
+    with mock.patch.object(interpreter, "INTERPRETED", False):
+        tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+
+
 ROWS = [
     Row("hidden_states-int", _fe(hidden_states=lambda p: p.x.int()), TypeError, "hidden_states"),
     Row("hidden_states-1d", _fe(hidden_states=lambda p: p.x[0]), ValueError, "hidden_states"),
@@ -329,6 +339,8 @@ ROWS = [
         ValueError, "w_zp is the zero points of int4/int8 weights"),
     Row("stage-unknown-weight_dtype", _stage_low_bit(weight_dtype="int3"), ValueError,
         "weight_dtype must be None or one of"),
+    Row("hidden_states-cpu-off-interpreter", _cpu_tensors_off_interpreter, ValueError,
+        "hidden_states is on the CPU, where tmoe's kernels do not run here"),
     Row("align-block-not-pow2", lambda: tmoe.moe_align_block_size(_p().topk_ids, 24, E), ValueError, "block_size"),
     Row("route-topk-too-large", lambda: tmoe.topk_route(torch.randn(3, 4, device=DEVICE), 5), ValueError, "topk"),
     Row("route-group-alone", lambda: tmoe.topk_route(torch.randn(3, 4, device=DEVICE), 2, num_expert_group=2),

@@ -13,6 +13,7 @@ from tmoe.kernels.router import SCORINGS
 from tmoe.kernels.operands import check_low_bit_operand, codes_per_byte
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.quant_config import FusedMoEQuantConfig
+from tmoe.runtime import interpreter
 
 _TENSORS = ("expert_map", "w1_scale", "w2_scale", "a1_scale", "a2_scale", "w1_bias", "w2_bias", "w1_zp", "w2_zp")
 
@@ -60,6 +61,10 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
     x = args.hidden_states
     check_tensor("hidden_states", x, dtypes=FLOAT_DTYPES, ndim=2)
     dev = x.device
+    if dev.type == "cpu" and not interpreter.INTERPRETED:  # e.g. a model left on the CPU of a GPU machine
+        raise ValueError("hidden_states is on the CPU, where tmoe's kernels do not run here: move the layer to "
+                         "CUDA (the Triton interpreter runs them on CPU only where no GPU is present, or with "
+                         "TRITON_INTERPRET=1 set before importing tmoe)")
     for name in _TENSORS:
         t = getattr(args, name)
         if t is not None:
