@@ -183,7 +183,8 @@ def _cpu_tensors_off_interpreter():
     """CPU tensors where the kernels run on a GPU (the interpreter off): a model left on the CPU of a
     GPU machine. Raised before any launch (Triton's own error names no argument)."""
     p = make_problem(MoEShape(M, E, N, K, TOPK), torch.float32, "uniform", seed=3, device="cpu")
-    with mock.patch.object(interpreter, "INTERPRETED", False):
+    with mock.patch.object(interpreter, "INTERPRETED", False), mock.patch.object(torch.cuda, "is_available",
+                                                                                  return_value=True):
         tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
 
 

@@ -61,7 +61,7 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
     x = args.hidden_states
     check_tensor("hidden_states", x, dtypes=FLOAT_DTYPES, ndim=2)
     dev = x.device
-    if dev.type == "cpu" and not interpreter.INTERPRETED:  # e.g. a model left on the CPU of a GPU machine
+    if dev.type == "cpu" and not interpreter.INTERPRETED and torch.cuda.is_available():  # a model left on the CPU
         raise ValueError("hidden_states is on the CPU, where tmoe's kernels do not run here: move the layer to "
                          "CUDA (the Triton interpreter runs them on CPU only where no GPU is present, or with "
                          "TRITON_INTERPRET=1 set before importing tmoe)")
