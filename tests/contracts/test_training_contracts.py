@@ -214,6 +214,37 @@ def test_weight_gradient_op_names_a_bad_block_m(block_m, monkeypatch):
         torch.ops.tmoe.moe_grad_weight(*args)
 
 
+# (argument index, replacement from the valid arguments, error, message) for moe_grad_input
+GRAD_INPUT_BAD = {
+    "grad_h-columns": (0, lambda a: a[0][:, :5], ValueError, r"grad_h must have shape \(P=\d+ = len\(sorted_token_ids\)"),
+    "grad_h-rows": (0, lambda a: a[0][:-1], ValueError, "grad_h must have shape"),
+    "grad_h-int": (0, lambda a: a[0].int(), TypeError, "grad_h must have dtype"),
+    "grad_h-strided": (0, lambda a: a[0].t().contiguous().t(), ValueError, "grad_h must be contiguous along its last"),
+    "partial-fp16": (2, lambda a: a[2].half(), TypeError, "partial must have dtype"),
+    "partial-rows": (2, lambda a: a[2][:-1], ValueError, "partial must have P="),
+    "topk_weights-shape": (3, lambda a: a[3][:, :1].contiguous(), ValueError, "topk_weights must have shape"),
+    "sorted_token_ids-int64": (5, lambda a: a[5].long(), TypeError, "sorted_token_ids must have dtype"),
+    "num_tokens_post_padded-shape": (7, lambda a: a[7].repeat(2), ValueError, "num_tokens_post_padded must have shape"),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAD_INPUT_BAD))
+def test_grad_input_op_names_misshapen_operands(case, monkeypatch):
+    """moe_grad_input's operands are checked against each other (grad_h and partial one row per
+    aligned row, grad_h as wide as w1 has rows) before any launch, in the op and in its fake: the
+    kernel reads grad_h by pointers where TMA cannot, so a narrower grad_h was read past its end."""
+    import tmoe.kernels.moe_grad_input as grad_input
+
+    monkeypatch.setattr(grad_input, "launch", lambda *a, **k: pytest.fail("a kernel launched"))
+    args = list(_backward_cases()["moe_grad_input"][1])
+    index, bad, error, match = GRAD_INPUT_BAD[case]
+    args[index] = bad(args)
+    with pytest.raises(error, match=match):
+        torch.ops.tmoe.moe_grad_input(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(error, match=match):
+        torch.ops.tmoe.moe_grad_input(*args)
+
+
 def test_alltoall_backward_needs_the_expert_map():
     """The all-to-all backward finds this rank's experts through the call's expert_map: without
     one, a call that needs gradients is refused at the forward, naming it."""

@@ -15,7 +15,7 @@ from tmoe.kernels.align import align_output_sizes, moe_align_block_size
 from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.moe_grad_act import check_preact, grad_act_blocks, moe_grad_act as _grad_act
-from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
+from tmoe.kernels.moe_grad_input import check_grad_input, moe_grad_input as _grad_input
 from tmoe.kernels.moe_grad_weight import moe_grad_bias as _grad_bias, moe_grad_weight as _grad_weight
 from tmoe.kernels.operands import BlockScales
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
@@ -87,6 +87,7 @@ def moe_grad_input(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x (M, K), grad_topk_weights (M, topk) float32): see ``tmoe.kernels.moe_grad_input``;
     a frozen block-fp8 w1 comes with its ``w1_scale`` and ``block_shape``."""
+    check_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded)
     return _grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
                        num_tokens_post_padded, num_experts, expert_map=expert_map,
                        num_local_experts=num_local_experts, apply_router_weight_on_input=apply_router_weight_on_input,
@@ -101,6 +102,7 @@ def _w1_scales(w1: torch.Tensor, w1_scale: torch.Tensor | None, block_shape: lis
 @moe_grad_input.register_fake
 def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m,
       num_experts, expert_map, num_local_experts, apply_router_weight_on_input, w1_scale=None, block_shape=None):
+    check_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded)
     _w1_scales(w1, w1_scale, block_shape)
     m, topk = topk_ids.shape
     return grad_h.new_empty((m, w1.shape[2])), grad_h.new_empty((m, topk), dtype=torch.float32)
