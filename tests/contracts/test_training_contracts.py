@@ -214,35 +214,61 @@ def test_weight_gradient_op_names_a_bad_block_m(block_m, monkeypatch):
         torch.ops.tmoe.moe_grad_weight(*args)
 
 
-# (argument index, replacement from the valid arguments, error, message) for moe_grad_input
-GRAD_INPUT_BAD = {
-    "grad_h-columns": (0, lambda a: a[0][:, :5], ValueError, r"grad_h must have shape \(P=\d+ = len\(sorted_token_ids\)"),
-    "grad_h-rows": (0, lambda a: a[0][:-1], ValueError, "grad_h must have shape"),
-    "grad_h-int": (0, lambda a: a[0].int(), TypeError, "grad_h must have dtype"),
-    "grad_h-strided": (0, lambda a: a[0].t().contiguous().t(), ValueError, "grad_h must be contiguous along its last"),
-    "partial-fp16": (2, lambda a: a[2].half(), TypeError, "partial must have dtype"),
-    "partial-rows": (2, lambda a: a[2][:-1], ValueError, "partial must have P="),
-    "topk_weights-shape": (3, lambda a: a[3][:, :1].contiguous(), ValueError, "topk_weights must have shape"),
-    "sorted_token_ids-int64": (5, lambda a: a[5].long(), TypeError, "sorted_token_ids must have dtype"),
-    "num_tokens_post_padded-shape": (7, lambda a: a[7].repeat(2), ValueError, "num_tokens_post_padded must have shape"),
+# case: (backward case, argument index, replacement from the valid arguments, error, message)
+BAD_BACKWARD_OPERANDS = {
+    "grad_h-columns": ("moe_grad_input", 0, lambda a: a[0][:, :5], ValueError,
+                       r"grad_h must have shape \(P=\d+ = len\(sorted_token_ids\)"),
+    "grad_h-rows": ("moe_grad_input", 0, lambda a: a[0][:-1], ValueError, "grad_h must have shape"),
+    "grad_h-int": ("moe_grad_input", 0, lambda a: a[0].int(), TypeError, "grad_h must have dtype"),
+    "grad_h-strided": ("moe_grad_input", 0, lambda a: a[0].t().contiguous().t(), ValueError,
+                       "grad_h must be contiguous along its last"),
+    "partial-fp16": ("moe_grad_input", 2, lambda a: a[2].half(), TypeError, "partial must have dtype"),
+    "partial-rows": ("moe_grad_input", 2, lambda a: a[2][:-1], ValueError, "partial must have P="),
+    "input-topk_weights-shape": ("moe_grad_input", 3, lambda a: a[3][:, :1].contiguous(), ValueError,
+                                 "topk_weights must have shape"),
+    "sorted_token_ids-int64": ("moe_grad_input", 5, lambda a: a[5].long(), TypeError,
+                               "sorted_token_ids must have dtype"),
+    "num_tokens_post_padded-shape": ("moe_grad_input", 7, lambda a: a[7].repeat(2), ValueError,
+                                     "num_tokens_post_padded must have shape"),
+    "grad_out-columns": ("moe_grad_act", 0, lambda a: a[0][:, :5], ValueError, "grad_out must have shape"),
+    "grad_out-dtype": ("moe_grad_act", 0, lambda a: a[0].double(), TypeError, "grad_out must have dtype"),
+    "w1-rows": ("moe_grad_act", 2, lambda a: a[2][:, :5], ValueError, "w1 must have shape"),
+    "w2-k": ("moe_grad_act", 3, lambda a: a[3][:, :5], ValueError, "w2 must have shape"),
+    "act-topk_weights-rows": ("moe_grad_act", 4, lambda a: a[4][:-1], ValueError,
+                              "topk_weights must have one row per token"),
+    "act-expert_ids-int64": ("moe_grad_act", 6, lambda a: a[6].long(), TypeError, "expert_ids must have dtype"),
+    "w1_bias-shape": ("moe_grad_act", 9, lambda a: a[9][:, :5], ValueError, "w1_bias must have shape"),
+    "left-rows": ("moe_grad_weight_w1", 0, lambda a: a[0][:-1], ValueError,
+                  r"left must have \d+ rows, one per aligned rows"),
+    "right-rows": ("moe_grad_weight_w1", 1, lambda a: a[1][:-1], ValueError, "right must have 9 rows, one per tokens"),
+    "right-dtype": ("moe_grad_weight_w1", 1, lambda a: a[1].double(), TypeError, "right must have dtype"),
+    "weight-topk_weights-fp16": ("moe_grad_weight_w2", 2, lambda a: a[2].half(), TypeError,
+                                 "topk_weights must have dtype"),
+    "expert_offsets-int64": ("moe_grad_weight_w2", 4, lambda a: a[4].long(), TypeError,
+                             "expert_offsets must have dtype"),
 }
 
 
-@pytest.mark.parametrize("case", list(GRAD_INPUT_BAD))
-def test_grad_input_op_names_misshapen_operands(case, monkeypatch):
-    """moe_grad_input's operands are checked against each other (grad_h and partial one row per
-    aligned row, grad_h as wide as w1 has rows) before any launch, in the op and in its fake: the
-    kernel reads grad_h by pointers where TMA cannot, so a narrower grad_h was read past its end."""
+@pytest.mark.parametrize("case", list(BAD_BACKWARD_OPERANDS))
+def test_backward_ops_name_misshapen_operands(case, monkeypatch):
+    """The backward ops check their operands against each other before any launch, in the op and
+    in its fake (rows of grad_h, partial and the weight GEMMs' operands against the align's length
+    and the tokens, widths against the weights): a narrower grad_h, for one, had run without an
+    error, read past its end on the pointer path."""
+    import tmoe.kernels.moe_grad_act as grad_act
     import tmoe.kernels.moe_grad_input as grad_input
+    import tmoe.kernels.moe_grad_weight as grad_weight
 
-    monkeypatch.setattr(grad_input, "launch", lambda *a, **k: pytest.fail("a kernel launched"))
-    args = list(_backward_cases()["moe_grad_input"][1])
-    index, bad, error, match = GRAD_INPUT_BAD[case]
+    name, index, bad, error, match = BAD_BACKWARD_OPERANDS[case]
+    op, args = _backward_cases()[name]
+    for module in (grad_act, grad_input, grad_weight):
+        monkeypatch.setattr(module, "launch", lambda *a, **k: pytest.fail("a kernel launched"))
+    args = list(args)
     args[index] = bad(args)
     with pytest.raises(error, match=match):
-        torch.ops.tmoe.moe_grad_input(*args)
+        op(*args)
     with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(error, match=match):
-        torch.ops.tmoe.moe_grad_input(*args)
+        op(*args)
 
 
 def test_alltoall_backward_needs_the_expert_map():

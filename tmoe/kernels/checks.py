@@ -59,3 +59,21 @@ def positive_int(name: str, value: object) -> int:
     if value < 1:
         raise ValueError(f"{name} must be positive, got {value}")
     return value
+
+
+def check_align_outputs(sorted_ids: object, expert_ids: object, num_post_padded: object,
+                        device: torch.device) -> int:
+    """The align stage's int32 outputs on ``device`` (sorted_token_ids (P,), expert_ids,
+    num_tokens_post_padded (1,)), as a backward op takes them; returns P."""
+    check_tensor("sorted_token_ids", sorted_ids, dtypes=(torch.int32,), ndim=1, device=device)
+    check_tensor("expert_ids", expert_ids, dtypes=(torch.int32,), ndim=1, device=device)
+    check_tensor("num_tokens_post_padded", num_post_padded, dtypes=(torch.int32,), device=device)
+    check_shape("num_tokens_post_padded", num_post_padded, (1,))
+    return sorted_ids.shape[0]
+
+
+def check_router_weights(topk_weights: object, tokens: int, device: torch.device) -> None:
+    """float32 (tokens, topk) router weights, contiguous, on ``device``."""
+    check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=device, contiguous=True)
+    if topk_weights.shape[0] != tokens:
+        raise ValueError(f"topk_weights must have one row per token ({tokens}), got shape {tuple(topk_weights.shape)}")

@@ -30,7 +30,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.checks import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_shape, check_tensor,
+    FLOAT_DTYPES, INDEX_DTYPES, check_align_outputs, check_last_dim_contiguous, check_router_weights, check_shape,
+    check_tensor,
 )
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.operands import BlockScales, scale_strides
@@ -203,11 +204,7 @@ def check_grad_input(
     check_tensor("grad_h", grad_h, dtypes=FLOAT_DTYPES, ndim=2)
     dev = grad_h.device
     check_tensor("w1", w1, ndim=3, device=dev)
-    check_tensor("sorted_token_ids", sorted_ids, dtypes=(torch.int32,), ndim=1, device=dev)
-    check_tensor("expert_ids", expert_ids, dtypes=(torch.int32,), ndim=1, device=dev)
-    check_tensor("num_tokens_post_padded", num_post_padded, dtypes=(torch.int32,), device=dev)
-    check_shape("num_tokens_post_padded", num_post_padded, (1,))
-    rows = sorted_ids.shape[0]
+    rows = check_align_outputs(sorted_ids, expert_ids, num_post_padded, dev)
     if tuple(grad_h.shape) != (rows, w1.shape[1]):
         raise ValueError(f"grad_h must have shape (P={rows} = len(sorted_token_ids), rows of w1={w1.shape[1]}), "
                          f"got {tuple(grad_h.shape)}")
@@ -217,7 +214,7 @@ def check_grad_input(
         raise ValueError(f"partial must have P={rows} rows (one per aligned row), got shape {tuple(partial.shape)}")
     check_last_dim_contiguous("partial", partial)
     check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=dev)
-    check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), device=dev, contiguous=True)
+    check_router_weights(topk_weights, topk_ids.shape[0], dev)
     check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
 
 

@@ -12,11 +12,13 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
-from tmoe.kernels.checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.activation import Activation
-from tmoe.kernels.moe_grad_act import check_preact, grad_act_blocks, moe_grad_act as _grad_act
+from tmoe.kernels.moe_grad_act import check_grad_act, check_preact, grad_act_blocks, moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_input import check_grad_input, moe_grad_input as _grad_input
-from tmoe.kernels.moe_grad_weight import moe_grad_bias as _grad_bias, moe_grad_weight as _grad_weight
+from tmoe.kernels.moe_grad_weight import (
+    check_grad_weight, moe_grad_bias as _grad_bias, moe_grad_weight as _grad_weight,
+)
 from tmoe.kernels.operands import BlockScales
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
 from tmoe.modular.distributed import all_gather_rows, reduce_scatter_rows
@@ -56,9 +58,12 @@ def moe_grad_act(
     """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``;
     frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``;
     ``preact`` (M * topk, 2N): the forward's saved pre-activation (None: recomputed)."""
+    activation_value = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+    check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
+                   w2_bias, activation_value)
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
                      num_tokens_post_padded,
-                     activation=Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved),
+                     activation=activation_value,
                      apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
                      block_m=block_m, weight_scales=BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape),
                      preact=preact)
@@ -68,7 +73,8 @@ def moe_grad_act(
 def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
       w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
       w1_scale=None, w2_scale=None, block_shape=None, preact=None):
-    check_tensor("grad_out", grad_out, dtypes=FLOAT_DTYPES, ndim=2)
+    check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
+                   w2_bias, Activation(activation))
     BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
     check_preact(preact, x, w1, topk_weights)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
@@ -118,6 +124,7 @@ def moe_grad_weight(
     of the align that made ``sorted_token_ids`` and ``expert_offsets``; ``transposed``: strided as the
     transpose of a contiguous (E_local, Q_DIM, P_DIM))."""
     _check_block_m(block_m)
+    check_grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, tokens_left, expert_map)
     return _grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
                         tokens_left=tokens_left, scale_tokens=scale_tokens, row_align=block_m, expert_map=expert_map,
                         transposed=transposed)
@@ -127,6 +134,7 @@ def moe_grad_weight(
 def _(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts, tokens_left, scale_tokens,
       block_m, expert_map, transposed=False):
     _check_block_m(block_m)
+    check_grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, tokens_left, expert_map)
     p_dim, q_dim = left.shape[1], right.shape[1]
     if transposed:
         return left.new_empty((num_local_experts, q_dim, p_dim)).transpose(1, 2)
@@ -145,12 +153,14 @@ def moe_grad_bias(
     num_local_experts: int, tokens_left: bool, weighted: bool, expert_map: torch.Tensor | None,
 ) -> torch.Tensor:
     """db (E_local, P_DIM): see ``tmoe.kernels.moe_grad_weight.moe_grad_bias``."""
+    check_grad_weight(left, None, topk_weights, sorted_token_ids, expert_offsets, tokens_left, expert_map)
     return _grad_bias(left, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
                       tokens_left=tokens_left, weighted=weighted, expert_map=expert_map)
 
 
 @moe_grad_bias.register_fake
 def _(left, topk_weights, sorted_token_ids, expert_offsets, num_local_experts, tokens_left, weighted, expert_map):
+    check_grad_weight(left, None, topk_weights, sorted_token_ids, expert_offsets, tokens_left, expert_map)
     return left.new_empty((num_local_experts, left.shape[1]))
 
 
