@@ -123,7 +123,7 @@ def test_wrong_arguments_raise_naming_them():
         tmoe.fused_experts(*args[:5], save_preactivation=1)
     with pytest.raises(TypeError, match="save_preactivation"):
         tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts(), save_preactivation="no")
-    from tmoe.kernels.moe_grad_act import check_preact
+    from tmoe.kernels.grad_checks import check_preact
     x, w1, tw = args.hidden_states, args.w1, args.topk_weights
     with pytest.raises(ValueError, match="preact"):
         check_preact(torch.empty(16, 64, device=DEVICE), x, w1, tw)

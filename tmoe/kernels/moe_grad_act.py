@@ -38,9 +38,7 @@ from tmoe.kernels._details.activation_grad import act_and_mul_grad, act_no_mul_g
 from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.activation import Activation
-from tmoe.kernels.checks import (
-    FLOAT_DTYPES, check_align_outputs, check_last_dim_contiguous, check_router_weights, check_shape, check_tensor,
-)
+from tmoe.kernels.grad_checks import check_preact
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.moe_grad_input import sorted_input_grad
 from tmoe.kernels.operands import BlockScales, Routing, scale_strides
@@ -365,40 +363,6 @@ def moe_grad_act(
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,
            num_stages=backward_stages(tiles.num_stages, fp32, weight_scales is not None))
     return grad_h, inter, partial
-
-
-def check_grad_act(
-    grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-    sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
-    w1_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, activation: Activation,
-) -> None:
-    """``moe_grad_act``'s operands against each other: grad_out like x (M, K); w2 (E, K, N) and w1
-    (E, 2N, K) (N rows for a *_no_mul activation); router weights (M, topk); biases (E, 2N) and
-    (E, K); the align's int32 outputs; all on x's device (weight dtypes: ``BlockScales.of``)."""
-    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
-    dev = x.device
-    check_tensor("grad_out", grad_out, dtypes=(x.dtype,), device=dev)
-    check_shape("grad_out", grad_out, tuple(x.shape))
-    check_tensor("w1", w1, ndim=3, device=dev)
-    check_tensor("w2", w2, ndim=3, device=dev)
-    e, n, k = w2.shape[0], w2.shape[2], x.shape[1]
-    check_shape("w2", w2, (e, k, n))
-    check_shape("w1", w1, (e, activation.rows_per_n * n, k))
-    check_router_weights(topk_weights, x.shape[0], dev)
-    check_align_outputs(sorted_ids, expert_ids, num_post_padded, dev)
-    for name, bias, cols in (("w1_bias", w1_bias, w1.shape[1]), ("w2_bias", w2_bias, k)):
-        if bias is not None:
-            check_tensor(name, bias, device=dev)
-            check_shape(name, bias, (e, cols))
-
-
-def check_preact(preact: torch.Tensor | None, x: torch.Tensor, w1: torch.Tensor, topk_weights: torch.Tensor) -> None:
-    """A saved pre-activation is (num_slots, W1's rows) in x's dtype with contiguous rows, on x's device."""
-    if preact is None:
-        return
-    check_tensor("preact", preact, dtypes=(x.dtype,), ndim=2, device=x.device)
-    check_shape("preact", preact, (topk_weights.numel(), w1.shape[1]))
-    check_last_dim_contiguous("preact", preact)
 
 
 def tma_operands_fit(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: Activation) -> bool:

@@ -29,10 +29,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
-from tmoe.kernels.checks import (
-    FLOAT_DTYPES, INDEX_DTYPES, check_align_outputs, check_last_dim_contiguous, check_router_weights, check_shape,
-    check_tensor,
-)
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
@@ -194,30 +190,6 @@ def sorted_input_grad(
     return out
 
 
-def check_grad_input(
-    grad_h: torch.Tensor, w1: torch.Tensor, partial: torch.Tensor, topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
-) -> None:
-    """``moe_grad_input``'s operands as ``moe_grad_act`` and the align leave them: grad_h (P, rows of
-    w1) and partial (P, parts) float32 with unit column stride, P = len(sorted_ids); the routing
-    (M, topk); the align's int32 outputs; all on grad_h's device."""
-    check_tensor("grad_h", grad_h, dtypes=FLOAT_DTYPES, ndim=2)
-    dev = grad_h.device
-    check_tensor("w1", w1, ndim=3, device=dev)
-    rows = check_align_outputs(sorted_ids, expert_ids, num_post_padded, dev)
-    if tuple(grad_h.shape) != (rows, w1.shape[1]):
-        raise ValueError(f"grad_h must have shape (P={rows} = len(sorted_token_ids), rows of w1={w1.shape[1]}), "
-                         f"got {tuple(grad_h.shape)}")
-    check_last_dim_contiguous("grad_h", grad_h)
-    check_tensor("partial", partial, dtypes=(torch.float32,), ndim=2, device=dev)
-    if partial.shape[0] != rows:
-        raise ValueError(f"partial must have P={rows} rows (one per aligned row), got shape {tuple(partial.shape)}")
-    check_last_dim_contiguous("partial", partial)
-    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=dev)
-    check_router_weights(topk_weights, topk_ids.shape[0], dev)
-    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
-
-
 @with_interpreter_fixes
 def moe_grad_input(
     grad_h: torch.Tensor, w1: torch.Tensor, partial: torch.Tensor, topk_weights: torch.Tensor,
@@ -238,7 +210,7 @@ def moe_grad_input(
         weight_scales: frozen block-fp8 w1 and its block scales (dequantized in the K loop).
     """
     m, topk = topk_ids.shape
-    k, w1_rows = w1.shape[2], w1.shape[1]
+    k = w1.shape[2]
     dev = grad_h.device
     grad_slots = torch.empty((m * topk, k), dtype=grad_h.dtype, device=dev)
     grad_weights = torch.zeros((m, topk), dtype=torch.float32, device=dev)

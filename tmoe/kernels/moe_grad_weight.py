@@ -31,14 +31,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.tile_matmul import tile_ids
-from tmoe.kernels.checks import FLOAT_DTYPES, check_tensor
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.operands import Routing
 from tmoe.kernels.sizes import backward_stages, cdiv
 from tmoe.kernels.sorted_rows import aligned_copy
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
-
 
 
 @dataclass(frozen=True)
@@ -214,35 +212,6 @@ def _moe_grad_bias_kernel(
             lt *= tl.load(topk_weights_ptr + slots, mask=valid, other=0.0)[:, None]
         acc += lt
     tl.store(bias_ptr + local * stride_be + offs_p, tl.sum(acc, axis=0).to(bias_ptr.dtype.element_ty), mask=mask_p)
-
-
-def check_grad_weight(
-    left: torch.Tensor, right: torch.Tensor | None, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
-    expert_offsets: torch.Tensor, tokens_left: bool, expert_map: torch.Tensor | None,
-) -> None:
-    """``moe_grad_weight``'s (``right`` None: ``moe_grad_bias``'s) operands against each other: the
-    token operand (M rows, M = topk_weights' rows) and the aligned one (P = len(sorted_token_ids)
-    rows), float, one dtype; the align's int32 ``sorted_token_ids`` and ``expert_offsets`` (E + 1);
-    an int32 expert map of E entries; all on left's device."""
-    check_tensor("left", left, dtypes=FLOAT_DTYPES, ndim=2)
-    dev = left.device
-    check_tensor("sorted_token_ids", sorted_ids, dtypes=(torch.int32,), ndim=1, device=dev)
-    check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32,), ndim=1, device=dev)
-    check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
-    rows = {"left": sorted_ids.shape[0], "right": topk_weights.shape[0]}
-    if tokens_left:
-        rows = {"left": topk_weights.shape[0], "right": sorted_ids.shape[0]}
-    operands = {"left": left} if right is None else {"left": left, "right": right}
-    for name, t in operands.items():
-        check_tensor(name, t, dtypes=(left.dtype,), ndim=2, device=dev)
-        what = "tokens (topk_weights' rows)" if (name == "left") == tokens_left else "aligned rows (len(sorted_token_ids))"
-        if t.shape[0] != rows[name]:
-            raise ValueError(f"{name} must have {rows[name]} rows, one per {what}, got shape {tuple(t.shape)}")
-    if expert_map is not None:
-        check_tensor("expert_map", expert_map, dtypes=(torch.int32,), ndim=1, device=dev)
-        if expert_map.shape[0] != expert_offsets.shape[0] - 1:
-            raise ValueError(f"expert_map must have E = len(expert_offsets) - 1 = {expert_offsets.shape[0] - 1} "
-                             f"entries, got {expert_map.shape[0]}")
 
 
 def sorted_operands_fit(left: torch.Tensor, right: torch.Tensor, row_align: int, tiles: WeightTiles) -> bool:

@@ -14,11 +14,10 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
 from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.activation import Activation
-from tmoe.kernels.moe_grad_act import check_grad_act, check_preact, grad_act_blocks, moe_grad_act as _grad_act
-from tmoe.kernels.moe_grad_input import check_grad_input, moe_grad_input as _grad_input
-from tmoe.kernels.moe_grad_weight import (
-    check_grad_weight, moe_grad_bias as _grad_bias, moe_grad_weight as _grad_weight,
-)
+from tmoe.kernels.grad_checks import check_grad_act, check_grad_input, check_grad_weight, check_preact
+from tmoe.kernels.moe_grad_act import grad_act_blocks, moe_grad_act as _grad_act
+from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
+from tmoe.kernels.moe_grad_weight import moe_grad_bias as _grad_bias, moe_grad_weight as _grad_weight
 from tmoe.kernels.operands import BlockScales
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
 from tmoe.modular.distributed import all_gather_rows, reduce_scatter_rows
