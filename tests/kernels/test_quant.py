@@ -243,6 +243,26 @@ def test_per_token_quant_matches_reference(shape, dtype, device):
     assert_scales_close(s, ref_s)
 
 
+@pytest.mark.parametrize("limit", [0, 3, 7, 9])
+def test_num_rows_quantizes_only_the_rows_below_it(limit, device):
+    """With ``num_rows`` (read on the device) each quantizer writes exactly the rows below it, equal
+    to the unlimited call's, and leaves the rest as allocated (poisoned: NaN codes and scales)."""
+    x = make_x((7, 256), torch.bfloat16, device)
+    num_rows = torch.tensor([limit], dtype=torch.int32, device=device)
+    scale = torch.full((1,), 0.05, device=device)
+    calls = {"per_token": lambda **kw: per_token_quant_fp8(x, **kw),
+             "group": lambda **kw: per_token_group_quant_fp8(x, 64, **kw),
+             "static": lambda **kw: (static_quant_fp8(x, scale, **kw), None)}
+    written = min(limit, x.shape[0])
+    for name, call in calls.items():
+        (q, s), (ref_q, ref_s) = call(num_rows=num_rows), call()
+        assert_fp8_equal(q[:written], ref_q[:written], name)
+        assert q[written:].float().isnan().all(), name
+        if s is not None:
+            assert_scales_close(s[:written], ref_s[:written])
+            assert s[written:].isnan().all(), name
+
+
 @pytest.mark.parametrize("shape,scale_shape", [((0, 16), (1,)), ((1, 7), ()), ((4, 3, 100), (1,)), ((2, 2000), ())],
                          ids=str)
 def test_static_quant_matches_reference(shape, scale_shape, device):
@@ -285,6 +305,10 @@ BAD_CALLS = {
     "static scale shape": (ValueError, lambda x: static_quant_fp8(x, x[0, :2])),
     "static scale dtype": (TypeError, lambda x: static_quant_fp8(x, x[0, :1].half())),
     "static scale float": (TypeError, lambda x: static_quant_fp8(x, 0.5)),
+    "num_rows int64": (TypeError, lambda x: per_token_quant_fp8(x, num_rows=torch.ones(1, dtype=torch.int64,
+                                                                                      device=x.device))),
+    "num_rows shape": (ValueError, lambda x: per_token_group_quant_fp8(
+        x, 64, num_rows=torch.ones(2, dtype=torch.int32, device=x.device))),
 }
 
 

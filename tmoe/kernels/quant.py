@@ -35,13 +35,17 @@ def _per_token_group_quant_fp8_kernel(
     x_ptr,  # [rows, K] float, unit stride along K
     q_ptr,  # [rows, K] float8_e4m3fn, unit stride along K
     s_ptr,  # [rows, G] float32, strides (stride_sm, stride_sg): row- or column-major
+    num_rows_ptr,  # [1] int32: rows to quantize (LIMIT_ROWS)
     num_groups, group_size, eps,
     stride_xm, stride_qm, stride_sm, stride_sg,
     FP8_MAX: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    LIMIT_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pdl_wait(USE_PDL)
+    if LIMIT_ROWS:
+        if pid_m >= tl.load(num_rows_ptr):
+            return
     offs_g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)  # [BG]
     offs_s = tl.arange(0, BLOCK_S)  # [BS]
     mask_g = offs_g < num_groups
@@ -60,11 +64,15 @@ def _per_token_quant_fp8_kernel(
     x_ptr,  # [rows, K] float, unit stride along K
     q_ptr,  # [rows, K] float8_e4m3fn, unit stride along K
     s_ptr,  # [rows] float32
+    num_rows_ptr,  # [1] int32: rows to quantize (LIMIT_ROWS)
     K, eps, stride_xm, stride_qm,
-    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, LIMIT_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pdl_wait(USE_PDL)
+    if LIMIT_ROWS:
+        if pid_m >= tl.load(num_rows_ptr):
+            return
     x_row = x_ptr + pid_m * stride_xm
     q_row = q_ptr + pid_m * stride_qm
     offs_k = tl.arange(0, BLOCK_K)
@@ -87,11 +95,15 @@ def _static_quant_fp8_kernel(
     x_ptr,  # [rows, K] float, unit stride along K
     q_ptr,  # [rows, K] float8_e4m3fn, unit stride along K
     scale_ptr,  # [1] float32
+    num_rows_ptr,  # [1] int32: rows to quantize (LIMIT_ROWS)
     K, stride_xm, stride_qm,
-    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, LIMIT_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pdl_wait(USE_PDL)
+    if LIMIT_ROWS:
+        if pid_m >= tl.load(num_rows_ptr):
+            return
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
     mask_k = offs_k < K
     x = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -107,6 +119,15 @@ def _rows(x: object) -> torch.Tensor:
         raise ValueError("x must have at least one dimension (..., K)")
     check_last_dim_contiguous("x", x)
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def _row_limit(num_rows: torch.Tensor | None, x: torch.Tensor) -> dict:
+    """The kernels' row-limit arguments: ``num_rows`` ((1,) int32 on x's device, checked) or none."""
+    if num_rows is None:
+        return dict(num_rows_ptr=x, LIMIT_ROWS=False)
+    check_tensor("num_rows", num_rows, dtypes=(torch.int32,), device=x.device)
+    check_shape("num_rows", num_rows, (1,))
+    return dict(num_rows_ptr=num_rows, LIMIT_ROWS=True)
 
 
 def _check_eps(eps: float) -> None:
@@ -132,6 +153,7 @@ def per_token_group_quant_fp8(
     use_ue8m0: bool = False,
     out_q: torch.Tensor | None = None,
     out_scale: torch.Tensor | None = None,
+    num_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group of ``group_size`` along K: scale = max(absmax, eps) / 448, q = clamp(x / scale) in fp8.
 
@@ -144,6 +166,8 @@ def per_token_group_quant_fp8(
         out_q: optional contiguous (..., K) float8_e4m3fn output.
         out_scale: optional (..., K // group_size) float32 output, any layout viewable as
             (rows, G); its own layout is used and ``column_major_scales`` is ignored.
+        num_rows: optional (1,) int32 on x's device: only rows below ``num_rows[0]`` (read on the
+            device) are quantized; the rest of q and the scales are not written.
 
     Returns:
         (q (..., K) float8_e4m3fn contiguous, scales (..., K // group_size) float32).
@@ -152,6 +176,7 @@ def per_token_group_quant_fp8(
         >>> q, s = per_token_group_quant_fp8(x, 128)  # x (M, 7168) bf16 -> s (M, 56)
     """
     x2 = _rows(x)
+    limit = _row_limit(num_rows, x)
     rows, k = x2.shape
     if not isinstance(group_size, int) or group_size < 1 or k % group_size:
         raise ValueError(f"group_size must be a positive int dividing K={k}, got {group_size!r}")
@@ -177,7 +202,7 @@ def per_token_group_quant_fp8(
     block_g = min(next_power_of_2(g), max(1, TILE // block_s))
     num_warps = max(2, min(8, block_g * block_s // 512))
     launch(_per_token_group_quant_fp8_kernel, (rows, cdiv(g, block_g)),
-        x2, out_q, s2, num_groups=g, group_size=group_size, eps=eps,
+        x2, out_q, s2, **limit, num_groups=g, group_size=group_size, eps=eps,
         stride_xm=x2.stride(0), stride_qm=k, stride_sm=s2.stride(0), stride_sg=s2.stride(1),
         FP8_MAX=FP8_MAX, USE_UE8M0=use_ue8m0, BLOCK_G=block_g, BLOCK_S=block_s, num_warps=num_warps, **pdl_args(),
     )
@@ -185,12 +210,16 @@ def per_token_group_quant_fp8(
 
 
 @with_interpreter_fixes
-def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_quant_fp8(
+    x: torch.Tensor, eps: float = 1e-10, num_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token fp8: one group per row, scale = max(absmax, eps) / 448.
 
     Args:
         x: (..., K) float16/bfloat16/float32, unit stride along K; any K.
         eps: lower bound on the absmax (>= MIN_EPS).
+        num_rows: optional (1,) int32 on x's device: only rows below ``num_rows[0]`` (read on the
+            device) are quantized; the rest of q and the scales are not written.
 
     Returns:
         (q (..., K) float8_e4m3fn contiguous, scales (..., 1) float32).
@@ -200,25 +229,28 @@ def per_token_quant_fp8(x: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tens
     """
     x2 = _rows(x)
     _check_eps(eps)
+    limit = _row_limit(num_rows, x)
     rows, k = x2.shape
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scales = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, scales
     launch(_per_token_quant_fp8_kernel, (rows,),
-        x2, q, scales, K=k, eps=eps, stride_xm=x2.stride(0), stride_qm=k,
+        x2, q, scales, **limit, K=k, eps=eps, stride_xm=x2.stride(0), stride_qm=k,
         FP8_MAX=FP8_MAX, BLOCK_K=min(PER_TOKEN_BLOCK_K, next_power_of_2(max(k, 1))), num_warps=4, **pdl_args(),
     )
     return q, scales
 
 
 @with_interpreter_fixes
-def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor, num_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Static per-tensor fp8: q = clamp(x / scale, ±448).
 
     Args:
         x: (..., K) float16/bfloat16/float32, unit stride along K.
         scale: one-element float32 tensor on x's device (shape () or (1,)).
+        num_rows: optional (1,) int32 on x's device: only rows below ``num_rows[0]`` (read on the
+            device) are quantized; the rest of the output is not written.
 
     Returns:
         (..., K) float8_e4m3fn, contiguous.
@@ -230,13 +262,14 @@ def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     check_tensor("scale", scale, dtypes=(torch.float32,), device=x.device)
     if scale.numel() != 1:
         raise ValueError(f"scale must hold one element (a per-tensor scale), got shape {tuple(scale.shape)}")
+    limit = _row_limit(num_rows, x)
     rows, k = x2.shape
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     if rows == 0 or k == 0:
         return q
     block_k = min(1024, next_power_of_2(k))
     launch(_static_quant_fp8_kernel, (rows, cdiv(k, block_k)),
-        x2, q, scale, K=k, stride_xm=x2.stride(0), stride_qm=k, FP8_MAX=FP8_MAX, BLOCK_K=block_k, num_warps=4,
+        x2, q, scale, **limit, K=k, stride_xm=x2.stride(0), stride_qm=k, FP8_MAX=FP8_MAX, BLOCK_K=block_k, num_warps=4,
         **pdl_args(),
     )
     return q

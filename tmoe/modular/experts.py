@@ -46,12 +46,14 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         return g if n % g == 0 and up_block_n % g == 0 else None
 
     def _up(self, call: ExpertsCall, x: torch.Tensor, a_scale: torch.Tensor | None, inter: torch.Tensor,
-            up_cfg: GemmConfig, gemm: Callable[..., torch.Tensor], **route) -> tuple[torch.Tensor, torch.Tensor | None]:
+            up_cfg: GemmConfig, gemm: Callable[..., torch.Tensor], inter_rows: torch.Tensor | None = None,
+            **route) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The up/gate GEMM of ``x`` (activation scales ``a_scale``) by ``gemm`` (``route``: its
         routing keywords) into ``inter`` (..., N), the intermediate in the activation dtype; returns
         it quantized for the down GEMM (fused into the epilogue when the tiles allow, then ``inter``
-        is not written) and its scales. The epilogue also saves the pre-activation into
-        ``call.preact`` when it is given."""
+        is not written) and its scales; ``inter_rows`` ((1,) int32): the rows of ``inter`` the GEMM
+        writes and the down GEMM reads, read on the device (the rest are not quantized). The
+        epilogue also saves the pre-activation into ``call.preact`` when it is given."""
         n = inter.shape[-1]
         scales = self._scales(a_scale, call.w1_scale, call.w1_zp)
         kw = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias, **route)
@@ -64,7 +66,7 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
             gemm(x, call.w1, inter_q, up_cfg, out_scale=inter_scale, **kw)
             return inter_q, inter_scale
         gemm(x, call.w1, inter, up_cfg, **kw)
-        return quantize_activations(inter, self.quant_config, call.a2_scale)
+        return quantize_activations(inter, self.quant_config, call.a2_scale, num_rows=inter_rows)
 
     def _down(self, call: ExpertsCall, a2q: torch.Tensor, a2q_scale: torch.Tensor | None, out: torch.Tensor,
               down_cfg: GemmConfig, gemm: Callable[..., torch.Tensor], **route) -> None:
@@ -221,8 +223,8 @@ class TritonExperts(_TritonExpertsBase):
         else:
             sorted_rows(x, up_rows, x_sorted)
         inter = torch.empty((em, n), dtype=workspace2.dtype, device=x.device)
-        a2q, a2q_scale = self._up(call, x_sorted, a_scale, inter, cfg.up, invoke_grouped_gemm, routing=up_rows,
-                                  topk_weights=self._input_weights(call))
+        a2q, a2q_scale = self._up(call, x_sorted, a_scale, inter, cfg.up, invoke_grouped_gemm,
+                                  inter_rows=num_post_padded, routing=up_rows, topk_weights=self._input_weights(call))
         self._down(call, a2q, a2q_scale, output.view(m * topk, -1), cfg.down, invoke_grouped_gemm,
                    routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1))
 
