@@ -229,7 +229,8 @@ def test_group_quant_properties(shape_group, dtype, log2_magnitude, ue8m0, seed)
 
 @pytest.mark.parametrize(
     "shape,dtype", [((0, 64), torch.bfloat16), ((1, 7), torch.float32), ((5, 1000), torch.bfloat16),
-                    ((3, 4100), torch.float16), ((2, 3, 72), torch.float32), ((96,), torch.bfloat16)], ids=str,
+                    ((3, 4100), torch.float16), ((2, 3, 72), torch.float32), ((96,), torch.bfloat16),
+                    ((2, 20000), torch.bfloat16)], ids=str,  # K > PER_TOKEN_BLOCK_K: two passes over the row
 )
 def test_per_token_quant_matches_reference(shape, dtype, device):
     x = make_x(shape, dtype, device)

@@ -27,7 +27,7 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 # eps >= MIN_EPS keeps every dynamic scale a positive normal float32 (exact ue8m0 rounding, no 0/0).
 MIN_EPS = FP8_MAX * torch.finfo(torch.float32).tiny
 TILE = 1024  # elements a group-quant program holds at once (H200: 2 warps, about 2.8 TB/s)
-PER_TOKEN_BLOCK_K = 1024
+PER_TOKEN_BLOCK_K = 16384  # a row up to this long is read once, held in registers (at most 32 values a thread)
 
 
 @triton.jit(do_not_specialize=['stride_sg'])
@@ -66,7 +66,8 @@ def _per_token_quant_fp8_kernel(
     s_ptr,  # [rows] float32
     num_rows_ptr,  # [1] int32: rows to quantize (LIMIT_ROWS)
     K, eps, stride_xm, stride_qm,
-    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, LIMIT_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, LIMIT_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     pdl_wait(USE_PDL)
@@ -76,18 +77,27 @@ def _per_token_quant_fp8_kernel(
     x_row = x_ptr + pid_m * stride_xm
     q_row = q_ptr + pid_m * stride_qm
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
-        acc = tl.maximum(acc, abs_no_nan(x))
-    pdl_launch_dependents(USE_PDL)  # the second pass rereads the row (L2/L1 hits)
-    scale = fp8_scale(tl.max(acc, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
-    tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
-    scale_k = tl.broadcast_to(scale, (BLOCK_K,))
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = k0 + offs_k < K
-        x = tl.load(x_row + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        tl.store(q_row + k0 + offs_k, to_fp8(x, scale_k, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
+    if ONE_PASS:  # the whole row in registers: read once
+        mask_k = offs_k < K
+        x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        pdl_launch_dependents(USE_PDL)
+        scale = fp8_scale(tl.max(abs_no_nan(x), axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
+        tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
+        tl.store(q_row + offs_k, to_fp8(x, tl.broadcast_to(scale, (BLOCK_K,)), FP8_MAX).to(q_ptr.dtype.element_ty),
+                 mask=mask_k)
+    else:
+        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, abs_no_nan(x))
+        pdl_launch_dependents(USE_PDL)  # the second pass rereads the row (L2/L1 hits)
+        scale = fp8_scale(tl.max(acc, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
+        tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
+        scale_k = tl.broadcast_to(scale, (BLOCK_K,))
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = k0 + offs_k < K
+            x = tl.load(x_row + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+            tl.store(q_row + k0 + offs_k, to_fp8(x, scale_k, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
 
 
 @triton.jit
@@ -235,9 +245,11 @@ def per_token_quant_fp8(
     scales = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, scales
+    block_k = min(PER_TOKEN_BLOCK_K, next_power_of_2(max(k, 1)))
     launch(_per_token_quant_fp8_kernel, (rows,),
         x2, q, scales, **limit, K=k, eps=eps, stride_xm=x2.stride(0), stride_qm=k,
-        FP8_MAX=FP8_MAX, BLOCK_K=min(PER_TOKEN_BLOCK_K, next_power_of_2(max(k, 1))), num_warps=4, **pdl_args(),
+        FP8_MAX=FP8_MAX, BLOCK_K=block_k, ONE_PASS=block_k >= k, num_warps=min(16, max(4, block_k // 1024)),
+        **pdl_args(),
     )
     return q, scales
 
