@@ -33,9 +33,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.operands import Routing
-from tmoe.kernels.sizes import backward_stages, cdiv, next_power_of_2
+from tmoe.kernels.sizes import backward_stages, cdiv
 from tmoe.kernels.sorted_rows import aligned_copy
-from tmoe.runtime.device import persistent_programs
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 
@@ -160,60 +159,24 @@ def _moe_grad_weight_tma_kernel(
     expert_offsets_ptr,  # [E + 1] int32, each a multiple of BLOCK_R
     expert_map_ptr,  # [E] int32 (HAS_MAP)
     out_ptr,  # [E_local, P_DIM, Q_DIM]
-    P_DIM, Q_DIM, num_experts, num_local_experts, num_rows, stride_oe, stride_op, stride_oq,
+    P_DIM, Q_DIM, num_local_experts, stride_oe, stride_op, stride_oq,
     BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, HAS_MAP: tl.constexpr,
-    PRECISION: tl.constexpr, GROUP_P: tl.constexpr, E_PAD: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    PRECISION: tl.constexpr, GROUP_P: tl.constexpr,
 ):
     """``_moe_grad_weight_kernel`` with both operands in aligned-row order (the token operand
     copied there by ``sorted_rows``), each row block loaded whole by TMA: no masks, no gathers,
-    padding rows (zeros) summed in. Same tile order, same row-block order, but persistent: program
-    ``pid`` owns tiles pid, pid + NUM_PROGRAMS, ... and walks all their row blocks as one flat loop
-    (its length summed over the experts first), so the next tile's first loads issue while this
-    tile's last MMAs and its store run. A tile of an expert with no rows (or another rank's) takes
-    one step reading zeros past the rows (TMA), and stores zeros (or nothing)."""
-    num_pid_p = tl.cdiv(P_DIM, BLOCK_P)
-    num_pid_q = tl.cdiv(Q_DIM, BLOCK_Q)
-    per_expert = num_pid_p * num_pid_q
-    pid = tl.program_id(0)
-    # this program's steps: its tiles of each expert times the expert's row blocks (at least one)
-    experts = tl.arange(0, E_PAD)
-    valid = experts < num_experts
-    starts = tl.load(expert_offsets_ptr + experts, mask=valid, other=0)
-    ends = tl.load(expert_offsets_ptr + experts + 1, mask=valid, other=0)
-    if HAS_MAP:
-        locals_ = tl.load(expert_map_ptr + experts, mask=valid, other=-1)
-        ends = tl.where((locals_ >= 0) & (locals_ < num_local_experts), ends, starts)
-    steps = tl.maximum((ends - starts) // BLOCK_R, 1)
-    mine = (tl.maximum((experts + 1) * per_expert - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS
-            - tl.maximum(experts * per_expert - pid + NUM_PROGRAMS - 1, 0) // NUM_PROGRAMS)
-    total = tl.sum(tl.where(valid, mine * steps, 0))
-    tile = pid - NUM_PROGRAMS
-    ki = -1
-    k_tiles = 0
-    r_base = 0
-    pid_p = 0
-    pid_q = 0
-    local = tl.full((), 0, tl.int64)
+    padding rows (zeros) summed in. Same tile order, same row-block order."""
+    local, start, end, pid_p, pid_q = _weight_tile(expert_offsets_ptr, expert_map_ptr, P_DIM, Q_DIM, num_local_experts,
+                                                   BLOCK_P, BLOCK_Q, GROUP_P, HAS_MAP)
+    if local < 0:  # remote: another rank owns its gradient
+        return
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
-    for _ in range(0, total):
-        ki = tl.where(ki == k_tiles - 1, 0, ki + 1)
-        if ki == 0:  # the next tile
-            tile += NUM_PROGRAMS
-            pid_p, pid_q = tile_ids(tile % per_expert, num_pid_p, num_pid_q, GROUP_P)
-            local, start, end = _expert_rows((tile // per_expert).to(tl.int64), expert_map_ptr, expert_offsets_ptr,
-                                             num_local_experts, HAS_MAP)
-            has_rows = (local >= 0) & (end > start)
-            k_tiles = tl.where(has_rows, (end - start) // BLOCK_R, 1)
-            r_base = tl.where(has_rows, start, num_rows)  # no rows: one block past the rows, read as zeros
-        r0 = r_base + ki * BLOCK_R
+    for r0 in range(start, end, BLOCK_R):
         lt = left_desc.load([r0, pid_p * BLOCK_P])  # [BR, BP]
         rt = right_desc.load([r0, pid_q * BLOCK_Q])  # [BR, BQ]
         acc = tl.dot(lt.T, rt, acc, input_precision=PRECISION)  # [BP, BQ]
-        if ki == k_tiles - 1:
-            if local >= 0:  # remote: another rank owns its gradient
-                _store_weight_tile(acc, out_ptr, local, pid_p, pid_q, P_DIM, Q_DIM, stride_oe, stride_op, stride_oq,
-                                   BLOCK_P, BLOCK_Q)
-            acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+    _store_weight_tile(acc, out_ptr, local, pid_p, pid_q, P_DIM, Q_DIM, stride_oe, stride_op, stride_oq, BLOCK_P,
+                       BLOCK_Q)
 
 
 @triton.jit(do_not_specialize=['num_slots'])
@@ -296,7 +259,7 @@ def moe_grad_weight(
         return grad_w
     tiles = tiles or weight_tiles(topk_weights.numel(), num_experts)
     fp32 = left.dtype == torch.float32
-    num_tiles = num_experts * cdiv(p_dim, tiles.block_p) * cdiv(q_dim, tiles.block_q)
+    grid = (num_experts * cdiv(p_dim, tiles.block_p) * cdiv(q_dim, tiles.block_q),)
     common = dict(expert_offsets_ptr=expert_offsets,
                   expert_map_ptr=expert_map if expert_map is not None else expert_offsets, out_ptr=grad_w,
                   P_DIM=p_dim, Q_DIM=q_dim, num_local_experts=num_local_experts,
@@ -310,14 +273,11 @@ def moe_grad_weight(
         routing = Routing(sorted_ids, expert_offsets, expert_offsets[-1:], topk_weights.numel(), topk_weights.shape[1])
         tokens = aligned_copy(left if tokens_left else right, routing, topk_weights if scale_tokens else None)
         left, right = (tokens, right) if tokens_left else (left, tokens)
-        programs = persistent_programs(left.device, num_tiles)
-        launch(_moe_grad_weight_tma_kernel, (programs,),
+        launch(_moe_grad_weight_tma_kernel, grid,
                left_desc=TensorDescriptor.from_tensor(left, [tiles.block_r, tiles.block_p]),
-               right_desc=TensorDescriptor.from_tensor(right, [tiles.block_r, tiles.block_q]),
-               num_experts=num_experts, num_rows=left.shape[0], E_PAD=next_power_of_2(num_experts),
-               NUM_PROGRAMS=programs, **common)
+               right_desc=TensorDescriptor.from_tensor(right, [tiles.block_r, tiles.block_q]), **common)
         return grad_w
-    launch(_moe_grad_weight_kernel, (num_tiles,),
+    launch(_moe_grad_weight_kernel, grid,
            left_ptr=left, right_ptr=right, topk_weights_ptr=topk_weights, sorted_ids_ptr=sorted_ids,
            num_slots=topk_weights.numel(), stride_lm=left.stride(0), stride_lk=left.stride(1),
            stride_rm=right.stride(0), stride_rk=right.stride(1), TOPK=topk_weights.shape[1], TOKENS_LEFT=tokens_left,
