@@ -72,8 +72,8 @@ def check_align_outputs(sorted_ids: object, expert_ids: object, num_post_padded:
     return sorted_ids.shape[0]
 
 
-def check_router_weights(topk_weights: object, tokens: int, device: torch.device) -> None:
-    """float32 (tokens, topk) router weights, contiguous, on ``device``."""
+def check_router_weights(topk_weights: object, tokens: int | None, device: torch.device) -> None:
+    """float32 (tokens, topk) router weights, contiguous, on ``device`` (``tokens`` None: any rows)."""
     check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=device, contiguous=True)
-    if topk_weights.shape[0] != tokens:
+    if tokens is not None and topk_weights.shape[0] != tokens:
         raise ValueError(f"topk_weights must have one row per token ({tokens}), got shape {tuple(topk_weights.shape)}")

@@ -82,7 +82,7 @@ def check_grad_weight(
     dev = left.device
     check_tensor("sorted_token_ids", sorted_ids, dtypes=(torch.int32,), ndim=1, device=dev)
     check_tensor("expert_offsets", expert_offsets, dtypes=(torch.int32,), ndim=1, device=dev)
-    check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
+    check_router_weights(topk_weights, None, dev)  # its rows define the tokens
     rows = {"left": sorted_ids.shape[0], "right": topk_weights.shape[0]}
     if tokens_left:
         rows = {"left": topk_weights.shape[0], "right": sorted_ids.shape[0]}

@@ -80,20 +80,19 @@ def _per_token_quant_fp8_kernel(
     if ONE_PASS:  # the whole row in registers: read once
         mask_k = offs_k < K
         x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        pdl_launch_dependents(USE_PDL)
-        scale = fp8_scale(tl.max(abs_no_nan(x), axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
-        tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
-        tl.store(q_row + offs_k, to_fp8(x, tl.broadcast_to(scale, (BLOCK_K,)), FP8_MAX).to(q_ptr.dtype.element_ty),
-                 mask=mask_k)
+        absmax = abs_no_nan(x)
     else:
-        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        absmax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, abs_no_nan(x))
-        pdl_launch_dependents(USE_PDL)  # the second pass rereads the row (L2/L1 hits)
-        scale = fp8_scale(tl.max(acc, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
-        tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
-        scale_k = tl.broadcast_to(scale, (BLOCK_K,))
+            absmax = tl.maximum(absmax, abs_no_nan(tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K,
+                                                           other=0.0).to(tl.float32)))
+    pdl_launch_dependents(USE_PDL)  # two passes: the second rereads the row (L2/L1 hits)
+    scale = fp8_scale(tl.max(absmax, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
+    tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
+    scale_k = tl.broadcast_to(scale, (BLOCK_K,))
+    if ONE_PASS:
+        tl.store(q_row + offs_k, to_fp8(x, scale_k, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask_k)
+    else:
         for k0 in range(0, K, BLOCK_K):
             mask_k = k0 + offs_k < K
             x = tl.load(x_row + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)

@@ -72,13 +72,14 @@ def moe_grad_act(
 def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
       w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
       w1_scale=None, w2_scale=None, block_shape=None, preact=None):
+    activation_value = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
     check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
-                   w2_bias, Activation(activation))
+                   w2_bias, activation_value)
     BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
     check_preact(preact, x, w1, topk_weights)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
-    return (new((p, Activation(activation).rows_per_n * n)), new((p, n)),
+    return (new((p, activation_value.rows_per_n * n)), new((p, n)),
             new((p, grad_act_blocks(n, block_m)), dtype=torch.float32))
 
 
