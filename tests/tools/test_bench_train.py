@@ -16,6 +16,7 @@ def test_bench_train_tiny_writes_table_and_csv(tmp_path, capsys):
     assert all(r["commit"] == "test" and r["shape"] == "tiny" for r in rows)
     tmoe_rows = [r for r in rows if r["provider"] == "tmoe"]
     assert all(float(r["fwd_bwd_ms"]) > 0 and float(r["floor_ms"]) > 0 for r in tmoe_rows)
+    assert all(r["graph_ms"] == "n/a" for r in rows)  # no CUDA graphs on CPU
     for r in rows:
         if r["provider"] == "grouped_mm" and r["max_rel_err"] != "n/a":  # _grouped_mm may lack a CPU kernel
             assert float(r["max_rel_err"]) < 5e-2

@@ -330,16 +330,17 @@ def test_training_tables_from_one_runs_rows(tmp_path, capsys):
 
     from tmoe.tools import bench_train, tables
 
-    def row(commit, m, provider, ms, peak, fraction="0.50", speedup="1.25"):
+    def row(commit, m, provider, ms, peak, fraction="0.50", speedup="1.25", graph="n/a"):
         return dict(date="d", gpu="g", torch="t", triton="tr", commit=commit, shape="qwen3", E=128, N=768, K=2048,
-                    topk=8, dtype="bf16", M=m, provider=provider, fwd_bwd_ms=ms, peak_mib=peak, floor_ms="1.0",
-                    fraction=fraction, speedup_vs_grouped_mm=speedup, max_rel_err="n/a", note="")
+                    topk=8, dtype="bf16", M=m, provider=provider, fwd_bwd_ms=ms, graph_ms=graph, peak_mib=peak,
+                    floor_ms="1.0", fraction=fraction, speedup_vs_grouped_mm=speedup, max_rel_err="n/a", note="")
 
     path = tmp_path / "bench_train.csv"
     with path.open("w", newline="") as f:
         out = csv_module.DictWriter(f, fieldnames=bench_train.CSV_FIELDS)
         out.writeheader()
-        out.writerows([row("abc1234", 1024, "tmoe", "2.0", "100"), row("abc1234", 1024, "grouped_mm", "2.5", "120"),
+        out.writerows([row("abc1234", 1024, "tmoe", "2.0", "100", graph="1.5"),
+                       row("abc1234", 1024, "grouped_mm", "2.5", "120", graph="2.25"),
                        row("abc1234", 1024, "liger[pinned]", "n/a (OutOfMemoryError)", "n/a"),
                        row("abc1234", 4096, "tmoe", "8.0", "300", speedup="n/a"),
                        row("old0000", 1024, "tmoe", "99.0", "999")])
@@ -347,6 +348,8 @@ def test_training_tables_from_one_runs_rows(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "forward+backward ms, tmoe / grouped_mm / liger[pinned]:" in text
     assert "| qwen3 | 2.0 / 2.5 / n/a | 8.0 / n/a / n/a |" in text
+    assert "the step captured in a CUDA graph, replay ms, tmoe / grouped_mm / liger[pinned]:" in text
+    assert "| qwen3 | 1.5 / 2.2 / n/a | n/a / n/a / n/a |" in text
     assert "| qwen3 | 100 / 120 / n/a | 300 / n/a / n/a |" in text
     assert "| qwen3 | 0.50 (1.25x) | 0.50 (n/a) |" in text
     assert "99.0" not in text

@@ -2,8 +2,11 @@
 (gradients of x, w1, w2 and topk_weights) for tmoe, transformers' ``torch._grouped_mm`` experts
 path in plain autograd and Liger-Kernel's ``LigerFusedMoEFunction``, in the same run.
 
-Time: the median of ``triton.testing.do_bench`` (CUDA events) over steps ``out = layer(...)``,
-``torch.autograd.grad(out, params, grad_out)``. Peak: ``max_memory_allocated`` over one step minus
+Time: the median of ``triton.testing.do_bench`` (CUDA events, L2 flushed per call) over eager steps
+``out = layer(...)``, ``torch.autograd.grad(out, params, grad_out)``, which includes the host's
+launch and dispatch time where it exceeds the GPU's; and the same step captured whole in a CUDA
+graph, the median of its replays (``timing.time_graph``): the GPU's time alone, n/a where the
+provider cannot be captured (its note says why). Peak: ``max_memory_allocated`` over one step minus
 the memory held before it (weights, inputs, grad_out), i.e. activations, workspace and the
 returned output and gradients. floor = max(3 x forward FLOPs / bf16 matmul rate, bytes / copy
 bandwidth), both ceilings measured at the start; forward FLOPs = 2 M topk 3NK; bytes = the
@@ -29,7 +32,7 @@ from tmoe.tools.bench import count_touched
 from tmoe.tools import peers
 from tmoe.tools.inputs import Shape, make_weights
 from tmoe.tools.results import Env, git_commit
-from tmoe.tools.timing import measure_ceilings, peak_mib, time_ms
+from tmoe.tools.timing import measure_ceilings, peak_mib, time_graph, time_ms
 
 SHAPES = {
     "qwen3": Shape("qwen3", 128, 768, 2048, 8),
@@ -41,10 +44,11 @@ TINY = Shape("tiny", 4, 32, 64, 2)
 PROVIDERS = ("tmoe", "tmoe_recompute", "grouped_mm", "liger")
 DEFAULT_MS = (1024, 4096, 16384)
 DISAGREE = 5e-2
-HEADER = ["shape", "M", "provider", "fwd+bwd ms", "peak MiB", "floor ms", "fraction", "speedup vs grouped_mm",
-          "max rel err vs tmoe"]
+HEADER = ["shape", "M", "provider", "fwd+bwd ms", "graph ms", "peak MiB", "floor ms", "fraction",
+          "speedup vs grouped_mm", "max rel err vs tmoe"]
 CSV_FIELDS = ["date", "gpu", "torch", "triton", "commit", "shape", "E", "N", "K", "topk", "dtype", "M", "provider",
-              "fwd_bwd_ms", "peak_mib", "floor_ms", "fraction", "speedup_vs_grouped_mm", "max_rel_err", "note"]
+              "fwd_bwd_ms", "graph_ms", "peak_mib", "floor_ms", "fraction", "speedup_vs_grouped_mm", "max_rel_err",
+              "note"]
 
 Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -115,6 +119,18 @@ def step_fn(layer: Layer, params: tuple[torch.Tensor, ...], grad_out: torch.Tens
     return step
 
 
+def graph_ms(step: Callable[[], tuple], device: torch.device) -> tuple[float | None, str]:
+    """(median ms of ``step`` captured whole in a CUDA graph and replayed, "") on CUDA; (None, why)
+    where the step cannot be captured (a host sync in a peer) and on CPU."""
+    if device.type != "cuda":
+        return None, ""
+    try:
+        return time_graph([step]) / 1e3, ""
+    except Exception as err:  # noqa: BLE001  (a capture error is the peer's, reported in its cell)
+        _recover()
+        return None, f"graph: {_err_line(err)}"
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor, chunk: int = 1 << 26) -> float:
     """||a - b|| / ||b|| in float64, in chunks (no full-size float temporaries)."""
     a, b = a.reshape(-1), b.reshape(-1)
@@ -147,8 +163,8 @@ def bench_cell(s: Shape, m: int, w1: torch.Tensor, w2: torch.Tensor, args: argpa
     floor = floor_ms(s, m, count_touched(ids, s.e), *ceil)
     rows, ref = [], None
     for name in args.providers:
-        row = dict(shape=s.name, M=m, provider=provider_name(name, args), ms=None, peak=None, floor=floor, err=None,
-                   note="")
+        row = dict(shape=s.name, M=m, provider=provider_name(name, args), ms=None, graph=None, peak=None,
+                   floor=floor, err=None, note="")
         try:
             step = step_fn(make_layer(name, ids, args), params, grad_out)
             res = step()  # compile / autotune, outside the timing
@@ -170,13 +186,15 @@ def bench_cell(s: Shape, m: int, w1: torch.Tensor, w2: torch.Tensor, args: argpa
             del res
             row["peak"] = peak_mib(step, device)
             row["ms"] = time_ms(step, device, args.rep_ms)
+            row["graph"], graph_note = graph_ms(step, device)
+            row["note"] = "; ".join(n for n in (row["note"], graph_note) if n)
         except Exception as err:  # noqa: BLE001  (OOM or a failing peer: reported in its cell, the run goes on)
             row["note"] = _err_line(err)
             print(f"    {row['provider']}: {row['note']}", flush=True)
             _recover()
         rows.append(row)
         print(f"[{time.perf_counter() - t0:6.1f} s] {s.name} M={m} {row['provider']}: {_fmt(row['ms'], '{:.3f}')} ms, "
-              f"peak {_fmt(row['peak'], '{:.0f}')} MiB, floor {floor:.3f} ms", flush=True)
+              f"graph {_fmt(row['graph'], '{:.3f}')} ms, peak {_fmt(row['peak'], '{:.0f}')} MiB, floor {floor:.3f} ms", flush=True)
     del ref
     base = next((r["ms"] for r in rows if r["provider"] == "grouped_mm"), None)
     for r in rows:
@@ -189,7 +207,8 @@ def bench_cell(s: Shape, m: int, w1: torch.Tensor, w2: torch.Tensor, args: argpa
 def cells(r: dict) -> list[str]:
     return [r["shape"], str(r["M"]), r["provider"], _fmt(r["ms"], "{:.3f}") + (f" ({r['note']})" if r["ms"] is None
                                                                                else ""),
-            _fmt(r["peak"], "{:.0f}"), f"{r['floor']:.3f}", _fmt(r["fraction"], "{:.2f}"), _fmt(r["speedup"], "{:.2f}"),
+            _fmt(r["graph"], "{:.3f}"), _fmt(r["peak"], "{:.0f}"), f"{r['floor']:.3f}", _fmt(r["fraction"], "{:.2f}"),
+            _fmt(r["speedup"], "{:.2f}"),
             _fmt(r["err"], "{:.1e}") + (" DISAGREES" if r["err"] is not None and not r["err"] <= DISAGREE else "")]
 
 
@@ -207,7 +226,8 @@ def append_csv(path: Path, rows: Sequence[dict], env: Env, shapes: dict[str, Sha
         for r in rows:
             s = shapes[r["shape"]]
             w.writerow([env.date, env.gpu, env.torch, env.triton, env.commit, s.name, s.e, s.n, s.k, s.topk, "bf16",
-                        r["M"], r["provider"], _fmt(r["ms"], "{:.4f}"), _fmt(r["peak"], "{:.1f}"),
+                        r["M"], r["provider"], _fmt(r["ms"], "{:.4f}"), _fmt(r["graph"], "{:.4f}"),
+                        _fmt(r["peak"], "{:.1f}"),
                         f"{r['floor']:.4f}", _fmt(r["fraction"], "{:.3f}"), _fmt(r["speedup"], "{:.3f}"),
                         _fmt(r["err"], "{:.3e}"), r["note"]])
 

@@ -86,13 +86,14 @@ TRAIN_PEERS = ("grouped_mm", "liger[pinned]", "liger")
 
 
 def train_tables(rows: dict) -> str:
-    """The training run's tables (Markdown): fwd+bwd ms and peak MiB, tmoe / each peer that ran;
-    tmoe's fraction of the floor and speedup over grouped_mm."""
+    """The training run's tables (Markdown): fwd+bwd ms eager and as a CUDA-graph replay, and peak
+    MiB, tmoe / each peer that ran; tmoe's fraction of the floor and speedup over grouped_mm (eager)."""
     peers = [p for p in TRAIN_PEERS if any(key[2] == p for key in rows)]
     shapes, ms = _shapes_and_ms(rows)
 
     def value(r: dict | None, field: str, fmt: str) -> str:
-        return "n/a" if r is None or r[field].startswith("n/a") else format(float(r[field]), fmt)
+        v = (r or {}).get(field) or "n/a"  # rows measured before a field existed hold n/a
+        return "n/a" if v.startswith("n/a") else format(float(v), fmt)
 
     def joined(field: str, fmt: str):
         return lambda s, m: (s, m, "tmoe") in rows and " / ".join(
@@ -105,6 +106,8 @@ def train_tables(rows: dict) -> str:
 
     names = " / ".join(("tmoe", *peers))
     return "".join([f"forward+backward ms, {names}:\n\n", _grid(shapes, ms, joined("fwd_bwd_ms", ".1f")),
+                    f"\nthe step captured in a CUDA graph, replay ms, {names}:\n\n",
+                    _grid(shapes, ms, joined("graph_ms", ".1f")),
                     f"\npeak MiB, {names}:\n\n", _grid(shapes, ms, joined("peak_mib", ".0f")),
                     "\ntmoe's fraction of the floor (speedup over grouped_mm):\n\n", _grid(shapes, ms, own)])
 
