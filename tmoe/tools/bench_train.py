@@ -122,11 +122,13 @@ def step_fn(layer: Layer, params: tuple[torch.Tensor, ...], grad_out: torch.Tens
     return step
 
 
-def graph_ms(step: Callable[[], tuple], device: torch.device) -> tuple[float | None, str]:
-    """(median ms of ``step`` captured whole in a CUDA graph and replayed, "") on CUDA; (None, why)
-    where the capture fails (its reason) and on CPU."""
+def graph_ms(name: str, step: Callable[[], tuple], device: torch.device) -> tuple[float | None, str]:
+    """(median ms of provider ``name``'s ``step`` captured whole in a CUDA graph and replayed, "") on
+    CUDA; (None, why) where it cannot be captured or the capture fails, and (None, "") on CPU."""
     if device.type != "cuda":
         return None, ""
+    if name in NOT_CAPTURABLE:
+        return None, f"graph: {NOT_CAPTURABLE[name]}"
     try:
         return time_graph([step]) / 1e3, ""
     except Exception as err:  # noqa: BLE001  (a capture error is the peer's, reported in its cell)
@@ -189,8 +191,7 @@ def bench_cell(s: Shape, m: int, w1: torch.Tensor, w2: torch.Tensor, args: argpa
             del res
             row["peak"] = peak_mib(step, device)
             row["ms"] = time_ms(step, device, args.rep_ms)
-            row["graph"], graph_note = (None, f"graph: {NOT_CAPTURABLE[name]}") if name in NOT_CAPTURABLE \
-                else graph_ms(step, device)
+            row["graph"], graph_note = graph_ms(name, step, device)
             row["note"] = "; ".join(n for n in (row["note"], graph_note) if n)
         except Exception as err:  # noqa: BLE001  (OOM or a failing peer: reported in its cell, the run goes on)
             row["note"] = _err_line(err)
@@ -198,7 +199,8 @@ def bench_cell(s: Shape, m: int, w1: torch.Tensor, w2: torch.Tensor, args: argpa
             _recover()
         rows.append(row)
         print(f"[{time.perf_counter() - t0:6.1f} s] {s.name} M={m} {row['provider']}: {_fmt(row['ms'], '{:.3f}')} ms, "
-              f"graph {_fmt(row['graph'], '{:.3f}')} ms, peak {_fmt(row['peak'], '{:.0f}')} MiB, floor {floor:.3f} ms", flush=True)
+              f"graph {_fmt(row['graph'], '{:.3f}')} ms, peak {_fmt(row['peak'], '{:.0f}')} MiB, "
+              f"floor {floor:.3f} ms", flush=True)
     del ref
     base = next((r["ms"] for r in rows if r["provider"] == "grouped_mm"), None)
     for r in rows:
