@@ -1,5 +1,6 @@
 """Test setup: run the real Triton kernels under the interpreter when no GPU is present,
 poison torch.empty outputs with NaN, seed everything, bound hypothesis."""
+import gc
 import os
 
 import torch
@@ -36,6 +37,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _one_large_memory_test_at_a_time(request, tmp_path_factory):
+    """Tests marked ``large_memory`` hold a lock shared by the pytest-xdist workers (their common
+    base temp directory), so ``pytest -n auto`` on one GPU does not run several at once (four at a
+    time ran an 80 GB H100 out of memory), and free their cached memory before releasing it."""
+    if request.node.get_closest_marker("large_memory") is None or not torch.cuda.is_available():
+        yield
+        return
+    import fcntl
+
+    with open(tmp_path_factory.getbasetemp().parent / "tmoe-large-memory.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

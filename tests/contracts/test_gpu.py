@@ -29,6 +29,7 @@ def _routing(m, e, topk):
     return weights, ids.to(torch.int32)
 
 
+@pytest.mark.large_memory
 @pytest.mark.parametrize("model", list(MODEL_SHAPES))
 def test_model_shapes_bf16(model):
     e, n, k, topk = MODEL_SHAPES[model]
@@ -113,6 +114,7 @@ def test_forward_has_no_host_syncs(fmt):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.large_memory
 def test_int64_addressing_past_2_pow_31_elements():
     """M * topk * K = 2**31 + 2**21 elements in the down-GEMM output."""
     e, n, k, topk = 2, 64, 4096, 2
@@ -149,6 +151,7 @@ def _dequantized(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int] | None
     return (dequantize_fp8_reference(q, s, block) if block else q.float() * s).to(torch.bfloat16)
 
 
+@pytest.mark.large_memory
 @pytest.mark.parametrize("scheme", list(FP8_SCHEMES))
 @pytest.mark.parametrize("model", list(MODEL_SHAPES))
 def test_model_shapes_fp8(model, scheme):

@@ -156,6 +156,7 @@ def test_expert_map_local_expert_count_must_be_a_count():
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory
 def test_dispatch_addresses_past_2_to_the_31_elements():
     """One expert's batch of capacity * K > 2**31 fp8 elements: rows near its end land where
     they belong (an int32 row * stride wraps negative)."""
