@@ -95,9 +95,9 @@ def train_tables(rows: dict) -> str:
         v = (r or {}).get(field) or "n/a"  # rows measured before a field existed hold n/a
         return "n/a" if v.startswith("n/a") else format(float(v), fmt)
 
-    def joined(field: str, fmt: str):
+    def joined(field: str, fmt: str, providers: Sequence[str] = ("tmoe", *peers)):
         return lambda s, m: (s, m, "tmoe") in rows and " / ".join(
-            value(rows.get((s, m, p)), field, fmt) for p in ("tmoe", *peers))
+            value(rows.get((s, m, p)), field, fmt) for p in providers)
 
     def own(s, m):
         r = rows.get((s, m, "tmoe"))
@@ -105,9 +105,11 @@ def train_tables(rows: dict) -> str:
         return r and f"{value(r, 'fraction', '.2f')} ({speedup}{'x' if speedup != 'n/a' else ''})"
 
     names = " / ".join(("tmoe", *peers))
+    captured = ("tmoe", *(p for p in peers if any(key[2] == p and value(r, "graph_ms", "") != "n/a"
+                                                  for key, r in rows.items())))
     return "".join([f"forward+backward ms, {names}:\n\n", _grid(shapes, ms, joined("fwd_bwd_ms", ".1f")),
-                    f"\nthe step captured in a CUDA graph, replay ms, {names}:\n\n",
-                    _grid(shapes, ms, joined("graph_ms", ".1f")),
+                    f"\nthe step captured in a CUDA graph, replay ms, {' / '.join(captured)}:\n\n",
+                    _grid(shapes, ms, joined("graph_ms", ".1f", captured)),
                     f"\npeak MiB, {names}:\n\n", _grid(shapes, ms, joined("peak_mib", ".0f")),
                     "\ntmoe's fraction of the floor (speedup over grouped_mm):\n\n", _grid(shapes, ms, own)])
 
