@@ -222,7 +222,7 @@ def moe_grad_input(
         tiles: default ``input_tiles(M)``.
     """
     m, topk = topk_ids.shape
-    tiles = tiles or input_tiles(m)
+    tiles = tiles if tiles is not None else input_tiles(m)
     k = w1.shape[2]
     dev = grad_h.device
     grad_slots = torch.empty((m * topk, k), dtype=grad_h.dtype, device=dev)

@@ -86,7 +86,7 @@ def _per_token_quant_fp8_kernel(
         for k0 in range(0, K, BLOCK_K):
             absmax = tl.maximum(absmax, abs_no_nan(tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < K,
                                                            other=0.0).to(tl.float32)))
-    pdl_launch_dependents(USE_PDL)  # two passes: the second rereads the row (L2/L1 hits)
+    pdl_launch_dependents(USE_PDL)  # the row is read: the two-pass form's second pass hits L2/L1
     scale = fp8_scale(tl.max(absmax, axis=0, keep_dims=True), eps, FP8_MAX, False)  # [1]
     tl.store(s_ptr + pid_m + tl.arange(0, 1), scale)
     scale_k = tl.broadcast_to(scale, (BLOCK_K,))
