@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import tmoe
 from tmoe.tools import bench as bm
 from tmoe.tools import inputs, peers, results, timing
 from tmoe.reference import moe_reference
@@ -297,6 +298,40 @@ def test_fp8_stage_calls_chain_to_the_layer(mode):
     assert rel_error(out.float(), ref) < 6e-2
 
 
+@pytest.mark.parametrize("mode", ["bf16", "fp8_token"])
+def test_grouped_stage_calls_chain_to_the_layer(mode):
+    """On the grouped core, the stage calls (align, rows in expert order, up, down, reduce; fp8 the
+    quantizations too) run in order give the layer's output bit for bit; the peer's two GEMMs
+    (bf16: torch._grouped_mm, which has no CPU fp8 kernel) on the same tokens compose to the
+    float32 reference."""
+    e, n, k, m, topk = 4, 128, 256, 33, 2
+    w1 = (torch.randn(e, 2 * n, k) / k**0.5).bfloat16()
+    w2 = (torch.randn(e, k, n) / n**0.5).bfloat16()
+    weights, ids = torch.topk(torch.randn(m, e).softmax(-1), topk)
+    r = inputs.RoutedInputs(torch.randn(m, k, dtype=torch.bfloat16), weights, ids.int())
+    fp8, peer = mode != "bf16", mode == "bf16"
+    (w1q, s1), (w2q, s2) = (peers.quantize_fp8(w1, mode), peers.quantize_fp8(w2, mode)) if fp8 else ((w1, None),
+                                                                                                     (w2, None))
+    with tmoe.override_route("grouped"):
+        assert peers.takes_grouped_route(w1q, w2q, m, topk, mode)
+        calls = peers.grouped_stage_calls(w1q, w2q, [r], mode, s1, s2, peer=peer)
+        layer = (peers.fp8_provider(w1, w2, mode).fn(r) if fp8 else
+                 tmoe.fused_experts(r.x, w1, w2, r.topk_weights, r.topk_ids))
+    stages = [s for s in peers.STAGE_ORDER if fp8 or "quant" not in s]
+    assert tuple(calls) == (*stages, *(("grouped_mm.up", "grouped_mm.down") if peer else ()))
+    for stage in stages[:-1]:
+        calls[stage][0]()
+    torch.testing.assert_close(calls["reduce"][0](), layer, rtol=0, atol=0)
+    if peer:
+        _, token, _ = peers._sort_by_expert(r.topk_ids, e)
+        order = torch.argsort(r.topk_ids.reshape(-1), stable=True)
+        calls["grouped_mm.up"][0]()
+        y = calls["grouped_mm.down"][0]().float() * r.topk_weights.reshape(-1)[order, None]
+        out = torch.zeros(m, k).index_add_(0, token, y)
+        ref = moe_reference(r.x.float(), w1.float(), w2.float(), r.topk_weights, r.topk_ids)
+        assert rel_error(out, ref) < 2e-2
+
+
 def test_readme_tables_from_one_runs_rows(tmp_path):
     """``python -m tmoe tables``: the rows of one commit and dtype pivoted to shapes x M, peers and
     stages beside tmoe, then the cells below the goals with their stages; other commits' rows and
@@ -307,13 +342,16 @@ def test_readme_tables_from_one_runs_rows(tmp_path):
     mk = lambda m, prov, graph, eager, floor=5.0: results.Row(SMALL, "bf16", m, prov, graph, eager, floor, 1e6, 1e9, 2.0)  # noqa: E731
     csv_path = tmp_path / "bench_moe.csv"
     results.append_csv(csv_path, [mk(1, "tmoe", 10.0, 12.0), mk(1, "grouped_mm", "syncs", 20.0),
-                                  mk(1, "tmoe.up", 4.0, 5.0, 2.0), mk(8, "tmoe", 250.0, 260.0, 200.0)], env)
+                                  mk(1, "grouped_mm.up", 8.0, 9.0, 2.0), mk(1, "tmoe.up", 4.0, 5.0, 2.0),
+                                  mk(8, "tmoe", 250.0, 260.0, 200.0)], env)
     results.append_csv(csv_path, [mk(1, "tmoe", 99.0, 99.0)], other)
     text = tables.tables(tables.load_rows(csv_path, "abc1234", "bf16"), "bf16")
     assert "| | M=1 | M=8 |" in text
     assert "| small | 0.50 / 0.25 | 0.80 / n/a |" in text  # floor 5 over 10 µs; the peer's eager 20 µs
     assert "| small | 10.0 / 12.0 / 20.0 | 250 / 260 / n/a |" in text
     assert "| small up | 4.0 (0.50) | — |" in text
+    assert "| small grouped_mm.up | 8.0 (0.25) | — |" in text  # the peer's GEMM after tmoe's stages
+    assert text.index("| small up |") < text.index("| small grouped_mm.up |")
     assert "- small M=1: 0.50 < 0.85, 10.0 µs; up 4.0 (0.50)\n" in text  # below the goals, with the stages
     assert "- small M=8: 0.80 < 0.95, 250 µs\n" in text
     assert tables.goal("bf16", 1024) == 0.80 and tables.goal("fp8_block", 4096) == 0.65

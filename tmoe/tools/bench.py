@@ -51,10 +51,12 @@ def stage_traffic(stage: str, s: Shape, m: int, touched: float, weight_bytes: fl
                   act_bytes: int = 2) -> tuple[float, float]:
     """(bytes, flops) of one tmoe stage; ``act_bytes`` per activation value a GEMM or the
     reduce reads (fp8: 1; GEMM outputs, the reduce's output and the quantizations' inputs are
-    bf16); int32 ids and float32 router weights and scales are 4 bytes."""
+    bf16); int32 ids and float32 router weights and scales are 4 bytes. "rows": the grouped
+    core's copy of each slot's row (and fp8 scale) into expert order, padding not counted."""
     slots = m * s.topk
     table = {
         "align": (8 * slots, 0.0),
+        "rows": (2 * slots * s.k * act_bytes + (8 * slots if act_bytes == 1 else 0), 0.0),
         "up": (touched * 2 * s.n * s.k * weight_bytes + m * s.k * act_bytes + slots * s.n * 2, 4.0 * slots * s.n * s.k),
         "down": (touched * s.n * s.k * weight_bytes + slots * (s.n * act_bytes + s.k * 2), 2.0 * slots * s.n * s.k),
         "reduce": ((slots + m) * s.k * 2 + 8 * slots, 2.0 * slots * s.k),
@@ -101,25 +103,32 @@ def _time_both(calls: list[Call], syncs: bool, args: argparse.Namespace) -> tupl
 
 def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor | None, ...], sets: list[RoutedInputs],
                  touched: float, args: argparse.Namespace, ceil: timing.Ceilings, t0: float) -> Iterator[Row]:
-    """Rows ``tmoe.<stage>``: each stage op timed alone at the block_m the layer uses; ``weights``
-    (w1, w1_scale, w2, w2_scale): bf16 with None scales, or the fp8 modes' codes and scales."""
+    """Rows ``tmoe.<stage>``: each stage op timed alone on the route and block_m the layer uses;
+    ``weights`` (w1, w1_scale, w2, w2_scale): bf16 with None scales, or the fp8 modes' codes and
+    scales. On the grouped core, also the peer's two GEMMs on the same tokens (``<peer>.up``,
+    ``<peer>.down``: ``peers.grouped_stage_calls``) where the run has that peer."""
     import tmoe
 
     fp8 = args.dtype != "bf16"
     w1, w1_scale, w2, w2_scale = weights
     block_shape = (128, 128) if args.dtype == "fp8_block" else None
-    block_m = tmoe.get_config(m, s.e, s.n, s.k, s.topk, w1.device, quant="fp8_w8a8" if fp8 else None,
-                              block_shape=block_shape).block_m
     try:
-        calls = peers.stage_calls(w1, w2, sets, block_m, args.dtype, w1_scale, w2_scale)
+        if peers.takes_grouped_route(w1, w2, m, s.topk, args.dtype):
+            calls = peers.grouped_stage_calls(w1, w2, sets, args.dtype, w1_scale, w2_scale,
+                                              peer=peers.GEMM_PEERS.get(args.dtype) in args.providers)
+        else:
+            block_m = tmoe.get_config(m, s.e, s.n, s.k, s.topk, w1.device, quant="fp8_w8a8" if fp8 else None,
+                                      block_shape=block_shape).block_m
+            calls = peers.stage_calls(w1, w2, sets, block_m, args.dtype, w1_scale, w2_scale)
     except Exception as err:  # noqa: BLE001
         print(f"    stages failed: {type(err).__name__}: {err}", flush=True)
         return
     for stage, stage_calls in calls.items():
-        nbytes, flops = stage_traffic(stage, s, m, touched, value_bytes(args.dtype), 1 if fp8 else 2)
+        provider = stage if "." in stage else f"tmoe.{stage}"
+        nbytes, flops = stage_traffic(stage.rsplit(".", 1)[-1], s, m, touched, value_bytes(args.dtype), 1 if fp8 else 2)
         floor = floor_us(nbytes, flops, ceil.copy_bw, ceil.rate(args.dtype))
         graph, eager = _time_both(stage_calls, False, args)
-        yield _report(Row(s, args.dtype, m, f"tmoe.{stage}", graph, eager, floor, nbytes, flops, touched), t0)
+        yield _report(Row(s, args.dtype, m, provider, graph, eager, floor, nbytes, flops, touched), t0)
 
 
 def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: timing.Ceilings,

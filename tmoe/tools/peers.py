@@ -13,6 +13,13 @@ import torch
 import torch.nn.functional as F
 
 import tmoe
+from tmoe.config import grouped_config, use_grouped_route
+from tmoe.kernels.activation import Activation
+from tmoe.kernels.align import moe_align_block_size
+from tmoe.kernels.moe_grouped_gemm import grouped_operands_fit, invoke_grouped_gemm
+from tmoe.kernels.operands import Routing, Scales
+from tmoe.kernels.sorted_rows import sorted_rows
+from tmoe.modular.quantize import quantize_activations
 from tmoe.tools.inputs import Provider, RoutedInputs
 from tmoe.tools.low_bit import LOW_BIT_DTYPES, low_bit_providers
 from tmoe.tools.timing import Call
@@ -217,6 +224,9 @@ def providers(dtype: str, w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, 
 
 STAGES = ("align", "up", "down", "reduce")
 FP8_STAGES = ("quant", "align", "up", "quant_inter", "down", "reduce")  # fp8: the activation quantizations too
+# every stage, in the layer's order: the grouped core adds the copy of the rows into expert order
+STAGE_ORDER = ("quant", "align", "rows", "up", "quant_inter", "down", "reduce")
+GEMM_PEERS = {"bf16": "grouped_mm", "fp8_token": "scaled_grouped_mm"}  # whose GEMMs run beside the grouped core's
 
 
 def fp8_activation_quant(mode: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
@@ -259,3 +269,84 @@ def stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs], bl
         calls["reduce"].append(functools.partial(ops.moe_reduce, down().view(m, topk, -1), r.topk_ids, e,
                                                  r.topk_weights))
     return calls
+
+
+def takes_grouped_route(w1: torch.Tensor, w2: torch.Tensor, m: int, topk: int, mode: str) -> bool:
+    """Whether the layer runs an ``m``-token call on these weights on the grouped core
+    (``TritonExperts``: ``use_grouped_route`` and operands TMA can read)."""
+    return (use_grouped_route(m, topk, w1.shape[0], w2.shape[2], mode == "fp8_block")
+            and grouped_operands_fit(w1, False) and grouped_operands_fit(w2))
+
+
+def grouped_stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs], mode: str = "bf16",
+                        w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                        peer: bool = False) -> dict[str, list[Call]]:
+    """``stage_calls`` for the grouped core, as ``TritonExperts`` runs it: align at the core's
+    block_m, the rows copied into expert order ("rows"), both GEMMs on the core, and in
+    fp8_token (per-channel w1/w2 codes and scales) the activation quantizations (the
+    intermediate's only of the rows the up GEMM wrote). With ``peer``, ``GEMM_PEERS[mode]``'s two
+    GEMMs on the same tokens in expert order (unpadded: one row per slot), as
+    "<peer>.up" (gate and up, no activation) and "<peer>.down": ``torch._grouped_mm``, or
+    ``torch._scaled_grouped_mm`` on tmoe's fp8 codes and row-wise scales."""
+    fp8 = mode != "bf16"
+    if mode not in GEMM_PEERS:
+        raise ValueError(f"the grouped core's stages are timed in {', '.join(GEMM_PEERS)}, not {mode}")
+    qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True, per_out_ch_quant=True) if fp8 else None
+    cfg, e, n = grouped_config(fp8=fp8), w1.shape[0], w2.shape[2]
+    calls: dict[str, list[Call]] = {s: [] for s in STAGE_ORDER if fp8 or "quant" not in s}
+    name = GEMM_PEERS[mode]
+    if peer:
+        calls |= {f"{name}.up": [], f"{name}.down": []}
+    for r in sets:
+        (m, k), topk = r.x.shape, r.topk_ids.shape[1]
+        x, x_scale = quantize_activations(r.x, qc) if fp8 else (r.x, None)
+        sorted_ids, expert_ids, padded = moe_align_block_size(r.topk_ids, cfg.block_m, e)
+        up_rows = Routing(sorted_ids, expert_ids, padded, m * topk, topk)
+        x_sorted = torch.empty((sorted_ids.shape[0], k), dtype=x.dtype, device=x.device)
+        s_sorted = torch.empty((sorted_ids.shape[0], 1), dtype=torch.float32, device=x.device) if fp8 else None
+        rows = functools.partial(sorted_rows, x, up_rows, x_sorted, x_scale.reshape(m, 1) if fp8 else None, s_sorted)
+        inter = torch.empty((sorted_ids.shape[0], n), dtype=r.x.dtype, device=x.device)
+        up = functools.partial(invoke_grouped_gemm, x_sorted, w1, inter, cfg.up, up_rows, gated=True,
+                               activation=Activation(), scales=Scales(s_sorted, w1_scale) if fp8 else None)
+        rows(), up()
+        a2, a2_scale = quantize_activations(inter, qc, num_rows=padded) if fp8 else (inter, None)
+        y = torch.empty((m * topk, k), dtype=r.x.dtype, device=x.device)
+        down = functools.partial(invoke_grouped_gemm, a2, w2, y, cfg.down,
+                                 Routing(sorted_ids, expert_ids, padded, m * topk, 1), gated=False,
+                                 scales=Scales(a2_scale, w2_scale) if fp8 else None)
+        down()
+        if fp8:
+            calls["quant"].append(functools.partial(quantize_activations, r.x, qc))
+            calls["quant_inter"].append(functools.partial(quantize_activations, inter, qc, num_rows=padded))
+        calls["align"].append(functools.partial(moe_align_block_size, r.topk_ids, cfg.block_m, e))
+        calls["rows"].append(rows)
+        calls["up"].append(up)
+        calls["down"].append(down)
+        calls["reduce"].append(functools.partial(torch.ops.tmoe.moe_reduce, y.view(m, topk, k), r.topk_ids, e,
+                                                 r.topk_weights))
+        if peer:
+            peer_up, peer_down = _peer_gemms(x, x_scale, w1, w1_scale, w2, w2_scale, r.topk_ids)
+            calls[f"{name}.up"].append(peer_up)
+            calls[f"{name}.down"].append(peer_down)
+    return calls
+
+
+def _peer_gemms(x: torch.Tensor, x_scale: torch.Tensor | None, w1: torch.Tensor, w1_scale: torch.Tensor | None,
+                w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_ids: torch.Tensor) -> tuple[Call, Call]:
+    """``grouped_stage_calls``' peer GEMMs on ``x``'s rows in expert order (bf16; or fp8 codes with
+    per-token ``x_scale`` (M, 1) and per-channel weight scales (E, R, 1)); the down GEMM's input is
+    silu(gate) * up of the up GEMM's output (quantized per row in fp8)."""
+    n = w2.shape[2]
+    _, token, offs = _sort_by_expert(topk_ids, w1.shape[0])
+    if x_scale is None:
+        w1_t, w2_t = _transposed(w1), _transposed(w2)
+        up = functools.partial(torch._grouped_mm, x[token], w1_t, offs=offs)
+        h = up()
+        down = functools.partial(torch._grouped_mm, F.silu(h[:, :n]) * h[:, n:], w2_t, offs=offs)
+        return up, down
+    scaled = dict(offs=offs, out_dtype=torch.bfloat16)
+    up = functools.partial(torch._scaled_grouped_mm, x[token], w1.transpose(1, 2), x_scale.reshape(-1)[token],
+                           w1_scale[..., 0], **scaled)
+    h = up()
+    aq, a_scale = _quantize_rows(F.silu(h[:, :n]) * h[:, n:])
+    return up, functools.partial(torch._scaled_grouped_mm, aq, w2.transpose(1, 2), a_scale, w2_scale[..., 0], **scaled)

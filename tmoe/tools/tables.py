@@ -11,7 +11,7 @@ import csv
 from pathlib import Path
 from typing import Sequence
 
-from tmoe.tools.peers import FP8_STAGES  # every stage, in the layer's order
+from tmoe.tools.peers import STAGE_ORDER  # every stage, in the layer's order
 
 PEERS = {"bf16": "grouped_mm", "fp8_block": "scaled_grouped_mm", "fp8_token": "scaled_grouped_mm"}
 SHAPE_ORDER = ("mixtral", "qwen3", "deepseek")
@@ -69,12 +69,13 @@ def tables(rows: dict, dtype: str) -> str:
     shapes, ms = _shapes_and_ms(rows)
     out = [f"fraction of the floor, tmoe / {peer}:\n\n", _grid(shapes, ms, fraction),
            f"\nµs, tmoe graph / tmoe eager / {peer} eager:\n\n", _grid(shapes, ms, times)]
-    stages = sorted({p.split(".", 1)[1] for _, _, p in rows if p.startswith("tmoe.")},
-                    key=lambda st: (FP8_STAGES + (st,)).index(st))
-    if stages:
-        out += ["\nstages alone, graph µs (GEMMs: and the fraction of their own floor):\n\n",
-                _grid([(s, st) for s in shapes for st in stages], ms,
-                      lambda label, m: _stage_time(get(label[0], m, f"tmoe.{label[1]}"), label[1]))]
+    timed = sorted({p for _, _, p in rows if p.split(".")[0] in ("tmoe", peer) and "." in p}, key=_stage_key)
+    stages = [p.split(".", 1)[1] for p in timed if p.startswith("tmoe.")]
+    if timed:
+        out += [f"\nstages alone, graph µs (GEMMs: and the fraction of their own floor; {peer}.up and .down: its "
+                "GEMMs on the same tokens in expert order):\n\n",
+                _grid([(s, p.removeprefix("tmoe.")) for s in shapes for p in timed], ms,
+                      lambda label, m: _stage_time(get(label[0], m, _provider(label[1])), label[1]))]
     missed = misses(rows, dtype, stages)
     if missed:
         out += ["\ncells below the goal (fraction < goal), each with its stages alone (graph µs, GEMMs with the "
@@ -114,10 +115,22 @@ def train_tables(rows: dict) -> str:
                     "\ntmoe's fraction of the floor (speedup over grouped_mm):\n\n", _grid(shapes, ms, own)])
 
 
+def _provider(stage: str) -> str:
+    """The CSV provider of a stage row: "up" is tmoe's ("tmoe.up"), "grouped_mm.up" a peer's."""
+    return stage if "." in stage else f"tmoe.{stage}"
+
+
+def _stage_key(provider: str) -> tuple[bool, int]:
+    """tmoe's stages first, then the peer's GEMMs, each in the layer's order."""
+    who, stage = provider.split(".", 1)
+    return who != "tmoe", (STAGE_ORDER + (stage,)).index(stage)
+
+
 def _stage_time(row: dict | None, stage: str) -> str | None:
-    """A stage's graph µs, the GEMMs' with the fraction of their own floor: "191 (0.99)"."""
+    """A stage's graph µs, the GEMMs' (tmoe's or a peer's) with the fraction of their own floor:
+    "191 (0.99)"."""
     t = _num(row, "graph_us")
-    return t and (f"{t} ({_num(row, 'fraction')})" if stage in ("up", "down") else t)
+    return t and (f"{t} ({_num(row, 'fraction')})" if stage.rsplit(".", 1)[-1] in ("up", "down") else t)
 
 
 def goal(dtype: str, m: int) -> float | None:
