@@ -302,8 +302,8 @@ def test_fp8_stage_calls_chain_to_the_layer(mode):
 def test_grouped_stage_calls_chain_to_the_layer(mode):
     """On the grouped core, the stage calls (align, rows in expert order, up, down, reduce; fp8 the
     quantizations too) run in order give the layer's output bit for bit; the peer's two GEMMs
-    (bf16: torch._grouped_mm, which has no CPU fp8 kernel) on the same tokens compose to the
-    float32 reference."""
+    alone (bf16: torch._grouped_mm; torch._scaled_grouped_mm has no CPU kernel) on the same
+    tokens compose to the float32 reference."""
     e, n, k, m, topk = 4, 128, 256, 33, 2
     w1 = (torch.randn(e, 2 * n, k) / k**0.5).bfloat16()
     w2 = (torch.randn(e, k, n) / n**0.5).bfloat16()
@@ -314,19 +314,21 @@ def test_grouped_stage_calls_chain_to_the_layer(mode):
                                                                                                      (w2, None))
     with tmoe.override_route("grouped"):
         assert peers.takes_grouped_route(w1q, w2q, m, topk, mode)
-        calls = peers.grouped_stage_calls(w1q, w2q, [r], mode, s1, s2, peer=peer)
+        calls = peers.grouped_stage_calls(w1q, w2q, [r], mode, s1, s2)
         layer = (peers.fp8_provider(w1, w2, mode).fn(r) if fp8 else
                  tmoe.fused_experts(r.x, w1, w2, r.topk_weights, r.topk_ids))
     stages = [s for s in peers.STAGE_ORDER if fp8 or "quant" not in s]
-    assert tuple(calls) == (*stages, *(("grouped_mm.up", "grouped_mm.down") if peer else ()))
+    assert tuple(calls) == tuple(stages)
     for stage in stages[:-1]:
         calls[stage][0]()
     torch.testing.assert_close(calls["reduce"][0](), layer, rtol=0, atol=0)
     if peer:
+        gemms = peers.peer_gemm_calls(w1, w2, [r], mode)
+        assert tuple(gemms) == ("grouped_mm.up", "grouped_mm.down")
         _, token, _ = peers._sort_by_expert(r.topk_ids, e)
         order = torch.argsort(r.topk_ids.reshape(-1), stable=True)
-        calls["grouped_mm.up"][0]()
-        y = calls["grouped_mm.down"][0]().float() * r.topk_weights.reshape(-1)[order, None]
+        gemms["grouped_mm.up"][0]()
+        y = gemms["grouped_mm.down"][0]().float() * r.topk_weights.reshape(-1)[order, None]
         out = torch.zeros(m, k).index_add_(0, token, y)
         ref = moe_reference(r.x.float(), w1.float(), w2.float(), r.topk_weights, r.topk_ids)
         assert rel_error(out, ref) < 2e-2

@@ -105,8 +105,8 @@ def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor | None, ...], set
                  touched: float, args: argparse.Namespace, ceil: timing.Ceilings, t0: float) -> Iterator[Row]:
     """Rows ``tmoe.<stage>``: each stage op timed alone on the route and block_m the layer uses;
     ``weights`` (w1, w1_scale, w2, w2_scale): bf16 with None scales, or the fp8 modes' codes and
-    scales. On the grouped core, also the peer's two GEMMs on the same tokens (``<peer>.up``,
-    ``<peer>.down``: ``peers.grouped_stage_calls``) where the run has that peer."""
+    scales. Then, where the run has the peer of ``peers.GEMM_PEERS``, its two GEMMs alone on the
+    same tokens (``<peer>.up``, ``<peer>.down``: ``peers.peer_gemm_calls``)."""
     import tmoe
 
     fp8 = args.dtype != "bf16"
@@ -114,12 +114,13 @@ def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor | None, ...], set
     block_shape = (128, 128) if args.dtype == "fp8_block" else None
     try:
         if peers.takes_grouped_route(w1, w2, m, s.topk, args.dtype):
-            calls = peers.grouped_stage_calls(w1, w2, sets, args.dtype, w1_scale, w2_scale,
-                                              peer=peers.GEMM_PEERS.get(args.dtype) in args.providers)
+            calls = peers.grouped_stage_calls(w1, w2, sets, args.dtype, w1_scale, w2_scale)
         else:
             block_m = tmoe.get_config(m, s.e, s.n, s.k, s.topk, w1.device, quant="fp8_w8a8" if fp8 else None,
                                       block_shape=block_shape).block_m
             calls = peers.stage_calls(w1, w2, sets, block_m, args.dtype, w1_scale, w2_scale)
+        if peers.GEMM_PEERS.get(args.dtype) in args.providers:
+            calls |= peers.peer_gemm_calls(w1, w2, sets, args.dtype, w1_scale, w2_scale)
     except Exception as err:  # noqa: BLE001
         print(f"    stages failed: {type(err).__name__}: {err}", flush=True)
         return

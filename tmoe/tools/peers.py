@@ -278,25 +278,27 @@ def takes_grouped_route(w1: torch.Tensor, w2: torch.Tensor, m: int, topk: int, m
             and grouped_operands_fit(w1, False) and grouped_operands_fit(w2))
 
 
+def _per_token_config(mode: str) -> tmoe.FusedMoEQuantConfig | None:
+    """The quantization of ``GEMM_PEERS``' modes: none (bf16), or per-token activations and
+    per-channel weights (fp8_token)."""
+    if mode not in GEMM_PEERS:
+        raise ValueError(f"the grouped core and the GEMM peers are timed in {', '.join(GEMM_PEERS)}, not {mode}")
+    if mode == "bf16":
+        return None
+    return tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True, per_out_ch_quant=True)
+
+
 def grouped_stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs], mode: str = "bf16",
                         w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                        peer: bool = False) -> dict[str, list[Call]]:
+                        ) -> dict[str, list[Call]]:
     """``stage_calls`` for the grouped core, as ``TritonExperts`` runs it: align at the core's
     block_m, the rows copied into expert order ("rows"), both GEMMs on the core, and in
     fp8_token (per-channel w1/w2 codes and scales) the activation quantizations (the
-    intermediate's only of the rows the up GEMM wrote). With ``peer``, ``GEMM_PEERS[mode]``'s two
-    GEMMs on the same tokens in expert order (unpadded: one row per slot), as
-    "<peer>.up" (gate and up, no activation) and "<peer>.down": ``torch._grouped_mm``, or
-    ``torch._scaled_grouped_mm`` on tmoe's fp8 codes and row-wise scales."""
-    fp8 = mode != "bf16"
-    if mode not in GEMM_PEERS:
-        raise ValueError(f"the grouped core's stages are timed in {', '.join(GEMM_PEERS)}, not {mode}")
-    qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True, per_out_ch_quant=True) if fp8 else None
+    intermediate's only of the rows the up GEMM wrote)."""
+    qc = _per_token_config(mode)
+    fp8 = qc is not None
     cfg, e, n = grouped_config(fp8=fp8), w1.shape[0], w2.shape[2]
     calls: dict[str, list[Call]] = {s: [] for s in STAGE_ORDER if fp8 or "quant" not in s}
-    name = GEMM_PEERS[mode]
-    if peer:
-        calls |= {f"{name}.up": [], f"{name}.down": []}
     for r in sets:
         (m, k), topk = r.x.shape, r.topk_ids.shape[1]
         x, x_scale = quantize_activations(r.x, qc) if fp8 else (r.x, None)
@@ -324,18 +326,31 @@ def grouped_stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInp
         calls["down"].append(down)
         calls["reduce"].append(functools.partial(torch.ops.tmoe.moe_reduce, y.view(m, topk, k), r.topk_ids, e,
                                                  r.topk_weights))
-        if peer:
-            peer_up, peer_down = _peer_gemms(x, x_scale, w1, w1_scale, w2, w2_scale, r.topk_ids)
-            calls[f"{name}.up"].append(peer_up)
-            calls[f"{name}.down"].append(peer_down)
+    return calls
+
+
+def peer_gemm_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs], mode: str = "bf16",
+                    w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                    ) -> dict[str, list[Call]]:
+    """``GEMM_PEERS[mode]``'s two GEMMs alone, one call per rotation set, on the set's tokens in
+    expert order (unpadded: one row per slot), as "<peer>.up" (gate and up, no activation) and
+    "<peer>.down" (of silu(gate) * up): ``torch._grouped_mm`` (bf16 w1/w2), or
+    ``torch._scaled_grouped_mm`` on tmoe's per-token fp8 codes and scales of the activations and
+    the per-channel w1/w2 codes and scales (the intermediate quantized per row)."""
+    qc = _per_token_config(mode)
+    name = GEMM_PEERS[mode]
+    calls: dict[str, list[Call]] = {f"{name}.up": [], f"{name}.down": []}
+    for r in sets:
+        x, x_scale = quantize_activations(r.x, qc) if qc is not None else (r.x, None)
+        up, down = _peer_gemms(x, x_scale, w1, w1_scale, w2, w2_scale, r.topk_ids)
+        calls[f"{name}.up"].append(up)
+        calls[f"{name}.down"].append(down)
     return calls
 
 
 def _peer_gemms(x: torch.Tensor, x_scale: torch.Tensor | None, w1: torch.Tensor, w1_scale: torch.Tensor | None,
                 w2: torch.Tensor, w2_scale: torch.Tensor | None, topk_ids: torch.Tensor) -> tuple[Call, Call]:
-    """``grouped_stage_calls``' peer GEMMs on ``x``'s rows in expert order (bf16; or fp8 codes with
-    per-token ``x_scale`` (M, 1) and per-channel weight scales (E, R, 1)); the down GEMM's input is
-    silu(gate) * up of the up GEMM's output (quantized per row in fp8)."""
+    """``peer_gemm_calls`` of one set: ``x`` (M, K) bf16, or fp8 codes with ``x_scale`` (M, 1)."""
     n = w2.shape[2]
     _, token, offs = _sort_by_expert(topk_ids, w1.shape[0])
     if x_scale is None:
