@@ -358,6 +358,8 @@ def test_readme_tables_from_one_runs_rows(tmp_path):
     assert "- small M=8: 0.80 < 0.95, 250 µs\n" in text
     assert tables.goal("bf16", 1024) == 0.80 and tables.goal("fp8_block", 4096) == 0.65
     assert tables.goal("int4", 1) is None
+    both = tables.load_rows(csv_path, "abc1234,old0000", "bf16")  # a comma list: both commits' rows, later ones win
+    assert both[("small", 1, "tmoe")]["graph_us"] == "99.0" and ("small", 8, "tmoe") in both
     assert tables.main([str(csv_path), "--commit", "nope"]) == 1
     with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
         tables.main([str(tmp_path / "missing.csv"), "--commit", "abc1234"])

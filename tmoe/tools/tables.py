@@ -1,4 +1,4 @@
-"""``python -m tmoe tables <bench_moe.csv> --commit C [--dtype D]``: the benchmark tables (bench/results/summary.md, the README)
+"""``python -m tmoe tables <bench_moe.csv> --commit C[,C2...] [--dtype D]``: the benchmark tables (bench/results/summary.md, the README)
 (shapes x M) from one benchmark run's CSV rows: fraction of the floor (tmoe / peer), times (tmoe
 graph / tmoe eager / peer eager) and, where the run timed them, the stages (graph µs and fraction of
 each stage's own floor); then the cells below the layer's goals (``GOALS``), each with its stages.
@@ -21,11 +21,13 @@ GOALS = {"bf16": ((1, 0.85), (256, 0.95), (1 << 62, 0.80)), "fp8_block": _FP8_GO
 
 
 def load_rows(path: Path, commit: str, dtype: str) -> dict[tuple[str, int, str], dict[str, str]]:
-    """The CSV rows of ``commit`` and ``dtype``, keyed by (shape, M, provider); a later row of the
-    same key (a rerun) replaces an earlier one."""
+    """The CSV rows of ``commit`` (a comma list: one run's commits, e.g. a rerun of some shapes
+    after a change to the harness) and ``dtype``, keyed by (shape, M, provider); a later row of
+    the same key (a rerun) replaces an earlier one."""
+    commits = set(commit.split(","))
     with path.open(newline="") as f:
         return {(r["shape"], int(r["M"]), r["provider"]): r for r in csv.DictReader(f)
-                if r["commit"] == commit and r["dtype"] == dtype}
+                if r["commit"] in commits and r["dtype"] == dtype}
 
 
 def _shapes_and_ms(rows: dict) -> tuple[list[str], list[int]]:
@@ -157,7 +159,7 @@ def misses(rows: dict, dtype: str, stages: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tmoe tables", description=__doc__.splitlines()[0])
     p.add_argument("csv", type=Path, help="bench_moe.csv (python -m tmoe bench) or bench_train.csv (bench-train)")
-    p.add_argument("--commit", required=True, help="the run's commit (the CSV's commit column)")
+    p.add_argument("--commit", required=True, help="the run's commit (the CSV's commit column), or a comma list of them")
     p.add_argument("--dtype", default="bf16")
     args = p.parse_args(argv)
     if not args.csv.is_file():
