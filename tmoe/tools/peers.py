@@ -310,7 +310,8 @@ def grouped_stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInp
         inter = torch.empty((sorted_ids.shape[0], n), dtype=r.x.dtype, device=x.device)
         up = functools.partial(invoke_grouped_gemm, x_sorted, w1, inter, cfg.up, up_rows, gated=True,
                                activation=Activation(), scales=Scales(s_sorted, w1_scale) if fp8 else None)
-        rows(), up()
+        rows()
+        up()
         a2, a2_scale = quantize_activations(inter, qc, num_rows=padded) if fp8 else (inter, None)
         y = torch.empty((m * topk, k), dtype=r.x.dtype, device=x.device)
         down = functools.partial(invoke_grouped_gemm, a2, w2, y, cfg.down,
