@@ -345,7 +345,9 @@ def test_readme_tables_from_one_runs_rows(tmp_path):
     csv_path = tmp_path / "bench_moe.csv"
     results.append_csv(csv_path, [mk(1, "tmoe", 10.0, 12.0), mk(1, "grouped_mm", "syncs", 20.0),
                                   mk(1, "grouped_mm.up", 8.0, 9.0, 2.0), mk(1, "tmoe.up", 4.0, 5.0, 2.0),
-                                  mk(8, "tmoe", 250.0, 260.0, 200.0)], env)
+                                  mk(8, "tmoe", 250.0, 260.0, 200.0),
+                                  results.Row(inputs.Shape("other", 4, 8, 16, 2), "bf16", 1, "tmoe.rows", 3.0, 3.0, 1.0,
+                                              1e6, 0.0, 2.0)], env)
     results.append_csv(csv_path, [mk(1, "tmoe", 99.0, 99.0)], other)
     text = tables.tables(tables.load_rows(csv_path, "abc1234", "bf16"), "bf16")
     assert "| | M=1 | M=8 |" in text
@@ -354,6 +356,7 @@ def test_readme_tables_from_one_runs_rows(tmp_path):
     assert "| small up | 4.0 (0.50) | — |" in text
     assert "| small grouped_mm.up | 8.0 (0.25) | — |" in text  # the peer's GEMM after tmoe's stages
     assert text.index("| small up |") < text.index("| small grouped_mm.up |")
+    assert "| other rows | 3.0 | — |" in text and "| small rows |" not in text  # a shape lists only its stages
     assert "- small M=1: 0.50 < 0.85, 10.0 µs; up 4.0 (0.50)\n" in text  # below the goals, with the stages
     assert "- small M=8: 0.80 < 0.95, 250 µs\n" in text
     assert tables.goal("bf16", 1024) == 0.80 and tables.goal("fp8_block", 4096) == 0.65

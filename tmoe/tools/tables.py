@@ -76,7 +76,8 @@ def tables(rows: dict, dtype: str) -> str:
     if timed:
         out += [f"\nstages alone, graph µs (GEMMs: and the fraction of their own floor; {peer}.up and .down: its "
                 "GEMMs on the same tokens in expert order):\n\n",
-                _grid([(s, p.removeprefix("tmoe.")) for s in shapes for p in timed], ms,
+                _grid([(s, p.removeprefix("tmoe.")) for s in shapes for p in timed
+                       if any((s, m, p) in rows for m in ms)], ms,
                       lambda label, m: _stage_time(get(label[0], m, _provider(label[1])), label[1]))]
     missed = misses(rows, dtype, stages)
     if missed:
