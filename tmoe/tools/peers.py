@@ -154,13 +154,18 @@ def quantize_fp8(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor
     return q, s
 
 
+def fp8_quant_config(mode: str) -> tmoe.FusedMoEQuantConfig:
+    """The layer's fp8 scheme of ``mode``: 128 x 128 weight blocks with 1 x 128 activation groups
+    (fp8_block), or per-channel weights and per-token activations (fp8_token)."""
+    if mode == "fp8_block":
+        return tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(128, 128))
+    return tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True, per_out_ch_quant=True)
+
+
 def fp8_provider(w1: torch.Tensor, w2: torch.Tensor, mode: str) -> Provider:
     """The tmoe layer on fp8 weights quantized from w1/w2 (which the caller may then free);
     activations are quantized inside the call. Named "tmoe"."""
-    if mode == "fp8_block":
-        qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(128, 128))
-    else:
-        qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True, per_out_ch_quant=True)
+    qc = fp8_quant_config(mode)
     (w1q, s1), (w2q, s2) = quantize_fp8(w1, mode), quantize_fp8(w2, mode)
 
     def fn(r: RoutedInputs) -> torch.Tensor:
@@ -283,9 +288,7 @@ def _per_token_config(mode: str) -> tmoe.FusedMoEQuantConfig | None:
     per-channel weights (fp8_token)."""
     if mode not in GEMM_PEERS:
         raise ValueError(f"the grouped core and the GEMM peers are timed in {', '.join(GEMM_PEERS)}, not {mode}")
-    if mode == "bf16":
-        return None
-    return tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, per_act_token_quant=True, per_out_ch_quant=True)
+    return None if mode == "bf16" else fp8_quant_config(mode)
 
 
 def grouped_stage_calls(w1: torch.Tensor, w2: torch.Tensor, sets: list[RoutedInputs], mode: str = "bf16",
