@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+import tmoe
 from tmoe.config import ROUTES as LAYER_ROUTES
 from tmoe.tools import peers, timing
 from tmoe.tools.inputs import SHAPES, RoutedInputs, Shape, make_inputs, make_weights
@@ -107,8 +108,6 @@ def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor | None, ...], set
     ``weights`` (w1, w1_scale, w2, w2_scale): bf16 with None scales, or the fp8 modes' codes and
     scales. Then, where the run has the peer of ``peers.GEMM_PEERS``, its two GEMMs alone on the
     same tokens (``<peer>.up``, ``<peer>.down``: ``peers.peer_gemm_calls``)."""
-    import tmoe
-
     fp8 = args.dtype != "bf16"
     w1, w1_scale, w2, w2_scale = weights
     block_shape = (128, 128) if args.dtype == "fp8_block" else None
