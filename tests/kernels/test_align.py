@@ -35,7 +35,7 @@ CASES = [
     Case(700, 2, 16, 32, "skewed"),
     Case(100, 8, 128, 16, "skewed"),  # E=128: 32-slot sub-tiles, seven 128-slot chunks
     Case(33, 8, 256, 64, "out_of_range"),  # E=256: 64-slot chunks
-    Case(300, 8, 256, 64, "skewed"),  # E=256: 38 chunks, more than one scan step (32 chunks a step)
+    Case(300, 8, 256, 64, "skewed"),  # E=256: 38 chunks, more than one scan step (16 chunks a step)
     Case(64, 2, 8, 16, "uniform", expert_map=True),
     Case(600, 2, 8, 16, "out_of_range", expert_map=True),
 ]
@@ -140,3 +140,22 @@ def test_align_sort_matches_chunks(e, numel, monkeypatch, device):
     clear_launch_caches()
     for chunks, sort in zip(*outs):
         assert torch.equal(chunks, sort)
+
+
+@pytest.mark.parametrize("case", [Case(100, 8, 128, 16, "skewed"), Case(300, 8, 256, 64, "out_of_range"),
+                                  Case(200, 8, 64, 16, "uniform", expert_map=True)], ids=str)
+def test_align_grown_chunks(case, monkeypatch, device):
+    """With few target chunks, each chunk walks many sub-tiles (up to ``MAX_CHUNK`` slots): the
+    three launches still give the reference's outputs."""
+    from tmoe.kernels import align
+    from tmoe.runtime.state import clear_launch_caches
+
+    monkeypatch.setattr(align, "SORT_MAX_SLOTS", 0)
+    monkeypatch.setattr(align, "TARGET_CHUNKS", 2)
+    clear_launch_caches()
+    g = torch.Generator().manual_seed(case.m + case.e)
+    ids = routing_ids(case.m, case.e, case.topk, case.routing, g).to(device)
+    try:
+        check_align(ids, case.block, case.e, half_remote_expert_map(case.e, device) if case.expert_map else None)
+    finally:
+        clear_launch_caches()

@@ -26,15 +26,21 @@ from tmoe.runtime.plan import Launch, planned
 
 MAX_CHUNK = 1024
 SUB_TILE_ELEMENTS = 4096  # a scatter sub-tile is [SUB, E_PAD]: SUB = 4096 // E_PAD slots
-SUBS_PER_CHUNK = 4  # sub-tiles each program walks in sequence (each step depends on the last)
+# A chunk is at least this many sub-tiles, which each program walks in sequence (each step depends
+# on the last); past TARGET_CHUNKS * that many slots it grows (powers of two, up to MAX_CHUNK) so
+# that about TARGET_CHUNKS programs count and scatter and the one-program scan stays short
+# (docs/routes.md). Read when a call signature is first planned: after changing them,
+# ``tmoe.runtime.state.clear_launch_caches()``.
+SUBS_PER_CHUNK = 4
+TARGET_CHUNKS = 128
 # Slots past one chunk up to which one sorting program replaces the three launches (faster up to
 # 1024 slots, slower at 2048: docs/routes.md). Read when a call signature is first planned: after
 # changing it, ``tmoe.runtime.state.clear_launch_caches()``.
 SORT_MAX_SLOTS = 1024
 SORT_SLOT_LIMIT = 4096  # the sorting program holds every slot's key in registers: at most this many
-# The scan is one program, each step a dependent [CT, E_PAD] load of the chunk counts: 16 warps
-# over 8192 counts a step (no spills on sm_90 at E_PAD 16-256; 4 warps over 4096 spilled at 256)
-SCAN_TILE_ELEMENTS, SCAN_WARPS = 8192, 16
+# The scan is one program, each step a dependent [CT, E_PAD] load of the chunk counts: 4 warps over
+# 4096 counts a step (16 warps over 8192 took 1.2-1.9x as long on H100 at every measured shape)
+SCAN_TILE_ELEMENTS, SCAN_WARPS = 4096, 4
 
 
 @triton.jit(do_not_specialize=['numel', 'max_padded', 'num_blocks'])
@@ -210,7 +216,8 @@ def _align_into(
     emap = expert_map if expert_map is not None else num_post_padded
     offsets = expert_offsets if expert_offsets is not None else num_post_padded
     sub = max(16, SUB_TILE_ELEMENTS // e_pad)
-    chunk = min(MAX_CHUNK, sub * SUBS_PER_CHUNK, max(16, next_power_of_2(numel)))
+    chunk = min(MAX_CHUNK, max(sub * SUBS_PER_CHUNK, next_power_of_2(cdiv(numel, TARGET_CHUNKS))),
+                max(16, next_power_of_2(numel)))
     sub = min(sub, chunk)
     if numel <= chunk:
         return Launch(_align_single_kernel, (1,), dict(
