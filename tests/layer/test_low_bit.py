@@ -307,6 +307,7 @@ def test_mxfp4_reference_matches_transformers():
 
 
 @pytest.mark.gpu
+@pytest.mark.large_memory  # up to 23 GB (mxfp4)
 @pytest.mark.parametrize("scheme", ["int4", "int8", "mxfp4"])
 def test_low_bit_model_shapes_and_graph_replay(scheme):
     """Qwen3-30B-A3B shape on the H200: every M on every route against the reference, and on every
