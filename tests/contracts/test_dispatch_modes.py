@@ -28,15 +28,15 @@ class RecordOps(TorchDispatchMode):
 
 def test_fused_experts_under_fake_tensor_mode_gives_shapes():
     with FakeTensorMode():
-        p = make_problem(MoEShape(5, 4, 64, 64, 2), torch.bfloat16, "uniform", seed=0)
+        p = make_problem(MoEShape(5, 4, 64, 64, 2), torch.bfloat16, "uniform", seed=0, device=DEVICE)
         out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
     assert out.shape == (5, 64) and out.dtype == torch.bfloat16
 
 
 def test_fused_moe_under_fake_tensor_mode_gives_shapes():
-    layer = tmoe.FusedMoE(4, 64, 32, 2, dtype=torch.float32)
+    layer = tmoe.FusedMoE(4, 64, 32, 2, dtype=torch.float32, device=DEVICE)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        out = layer(torch.randn(3, 7, 64))
+        out = layer(torch.randn(3, 7, 64, device=DEVICE))
     assert out.shape == (3, 7, 64) and out.dtype == torch.float32
 
 
@@ -67,11 +67,11 @@ def test_tensor_subclass_takes_the_op_path():
 
 
 def test_parameters_keep_the_fast_path():
-    layer = tmoe.FusedMoE(4, 64, 32, 2, dtype=torch.float32)
+    layer = tmoe.FusedMoE(4, 64, 32, 2, dtype=torch.float32, device=DEVICE)
     from tmoe.fused import takes_op_path
     from tmoe.modular.call import LayerArgs
 
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64, device=DEVICE)
     weights, ids = layer.route(x @ layer.router_weight.T)
     with torch.no_grad():
         assert not takes_op_path(LayerArgs(x, layer.w1, layer.w2, weights, ids))

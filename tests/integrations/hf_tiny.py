@@ -7,11 +7,13 @@ import inspect
 import pathlib
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 import transformers
 
 from tmoe.integrations.hf_layout import is_registry_class
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where tmoe's kernels run in this process
 VOCAB = 96
 # Applied to every config whose constructor takes the field.
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=1,
@@ -185,13 +187,15 @@ def experts_of(model: torch.nn.Module, experts: str) -> list[torch.nn.Module]:
 
 def tiny_model(name: str, implementation: str = "eager", dtype: torch.dtype = torch.float32,
                **overrides) -> torch.nn.Module:
-    """Family ``name``'s tiny model, seeded, with random non-trivial expert and router-bias weights."""
+    """Family ``name``'s tiny model on ``DEVICE``, seeded, with random non-trivial expert and
+    router-bias weights (skips the test where the installed transformers lacks the family)."""
     family = FAMILIES[name]
-    config_cls = getattr(transformers, family.config)
+    config_cls, model_cls = getattr(transformers, family.config, None), getattr(transformers, family.model, None)
+    if config_cls is None or model_cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {family.model}")
     fields = inspect.signature(config_cls.__init__).parameters
     config = config_cls(**{k: v for k, v in SIZES.items() if k in fields} | family.kwargs | overrides)
     torch.manual_seed(0)
-    model_cls = getattr(transformers, family.model)
     model = model_cls._from_config(config, experts_implementation=implementation, dtype=dtype)
     with torch.no_grad():
         for module in experts_of(model, family.experts):
@@ -200,7 +204,12 @@ def tiny_model(name: str, implementation: str = "eager", dtype: torch.dtype = to
         for module in model.modules():
             if isinstance(getattr(module, "e_score_correction_bias", None), torch.Tensor):
                 module.e_score_correction_bias.normal_(0, 0.05)
-    return model
+    return model.to(DEVICE)
+
+
+def random_tokens(batch: int, length: int) -> torch.Tensor:
+    """Random token ids (past the special ones), ``(batch, length)`` int64 on ``DEVICE``."""
+    return torch.randint(3, VOCAB, (batch, length), device=DEVICE)
 
 
 def output(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from transformers.integrations.moe import use_experts_implementation  # noqa: E4
 
 E, H, I, TOPK = 4, 256, 128, 2  # noqa: E741  (transformers' names: hidden H, intermediate I)
 BLOCK = (128, 128)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where tmoe's kernels run in this process
 
 
 def fp8_experts(has_gate: bool = True, hidden_act: str = "silu", **config) -> tuple[torch.nn.Module, tuple]:
@@ -32,9 +33,10 @@ def fp8_experts(has_gate: bool = True, hidden_act: str = "silu", **config) -> tu
     cls = use_experts_implementation(experts_class=finegrained.FP8Experts,
                                      experts_interface=finegrained.ALL_FP8_EXPERTS_FUNCTIONS, has_gate=has_gate)
     module = cls(cfg, block_size=BLOCK, has_gate=has_gate)
+    module.to(DEVICE)
     rows = 2 * I if has_gate else I
-    w1 = torch.randn(E, rows, H) / H**0.5
-    w2 = torch.randn(E, H, I) / I**0.5
+    w1 = torch.randn(E, rows, H, device=DEVICE) / H**0.5
+    w2 = torch.randn(E, H, I, device=DEVICE) / I**0.5
     dequantized = []
     for proj, w in (("gate_up_proj" if has_gate else "up_proj", w1), ("down_proj", w2)):
         q, s = tmoe.quantize_weight_per_block_fp8(w, BLOCK)
@@ -45,8 +47,8 @@ def fp8_experts(has_gate: bool = True, hidden_act: str = "silu", **config) -> tu
 
 
 def routing(m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = torch.randn(m, H, dtype=torch.bfloat16)
-    weights, ids = torch.topk(torch.randn(m, E).softmax(-1), TOPK)
+    x = torch.randn(m, H, dtype=torch.bfloat16, device=DEVICE)
+    weights, ids = torch.topk(torch.randn(m, E, device=DEVICE).softmax(-1), TOPK)
     return x, ids, weights
 
 

@@ -10,7 +10,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tmoe.integrations.transformers  # noqa: E402,F401  (registers "tmoe")
-from tests.integrations.hf_tiny import FAMILIES, TINY, UNBUILT, experts_of, output, registry_classes, tiny_model  # noqa: E402
+from tests.integrations.hf_tiny import (  # noqa: E402
+    DEVICE, FAMILIES, TINY, UNBUILT, experts_of, output, random_tokens, registry_classes, tiny_model,
+)
 from tmoe.integrations.hf_layout import layout_of  # noqa: E402
 from tmoe.testing import assert_close, rel_error  # noqa: E402
 
@@ -24,7 +26,7 @@ def _loss(model, tokens):
     if out.shape[-1] == VOCAB:
         return out, torch.nn.functional.cross_entropy(out[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    return out, (out * probe.to(out.dtype)).sum()
+    return out, (out * probe.to(out.device, out.dtype)).sum()
 
 
 def _step(model, tokens):
@@ -69,7 +71,7 @@ def _float64_step(model, tokens):
 
 
 def _tokens():
-    return torch.randint(3, VOCAB, (2, 5))
+    return random_tokens(2, 5)
 
 
 @pytest.mark.parametrize("experts", registry_classes())
@@ -104,7 +106,7 @@ def test_peft_lora_on_experts_matches_eager(name):
 def test_compiled_block_trains():
     """A sparse block compiled with fullgraph=True: gradients of its input and weights equal eager's."""
     block = tiny_model("qwen3_moe").model.layers[0].mlp
-    x = torch.randn(2, 5, 64, requires_grad=True)
+    x = torch.randn(2, 5, 64, device=DEVICE, requires_grad=True)
 
     def step(fn):
         block.zero_grad(set_to_none=True)

@@ -1,6 +1,7 @@
 """Expert parallelism, both PrepareAndFinalize implementations (all-gather and all-to-all) on
 every rank against the single-process float32 reference over all experts: gloo on CPU with 2
-and 4 processes (one spawn per world size runs every case), NCCL on >= 2 GPUs, and a CUDA-graph
+and 4 processes (one spawn per world size runs every case; on a GPU host too, the ranks seeing no
+GPU), NCCL on >= 2 GPUs, and a CUDA-graph
 replay of an all-to-all and an all-gather step with new routing (world sizes 1, 2 and 4, as
 many as there are GPUs).
 
@@ -25,6 +26,14 @@ from tmoe.kernels.ep_permute import ep_permute
 from tmoe.modular.placement import expert_map, local_expert_ids, shard_experts
 
 E, N, K, TOPK, BLOCK = 8, 32, 64, 2, (32, 32)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _gloo_ranks_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks spawned from here see no GPU, so they run tmoe's kernels on CPU under the Triton
+    interpreter (as CPU CI does), on a GPU host too."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @dataclass(frozen=True)
@@ -235,7 +244,8 @@ def _spawn(fn, world: int, *args) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_gloo(world):
+def test_expert_parallel_gloo(world, monkeypatch):
+    _gloo_ranks_on_cpu(monkeypatch)
     _spawn(_rank_main, world, "gloo")
 
 
@@ -325,10 +335,10 @@ def test_placement_helpers(placement):
 def test_ep_permute_against_torch(to_batch):
     """Segment (W, E_local, C) rows <-> packed (E_local, W * C) batches; untouched rows keep their NaN."""
     world, e_local, cap, d = 3, 2, 4, 24
-    counts = torch.tensor([4, 0, 2, 3, 1, 4], dtype=torch.int32)  # (W, E_local)
+    counts = torch.tensor([4, 0, 2, 3, 1, 4], dtype=torch.int32, device=DEVICE)  # (W, E_local)
     per = counts.view(world, e_local)
     offsets = (per.cumsum(0) - per).to(torch.int32).view(-1)
-    src = torch.randn(world * e_local * cap, d, dtype=torch.bfloat16)
+    src = torch.randn(world * e_local * cap, d, dtype=torch.bfloat16, device=DEVICE)
     out = ep_permute(src, counts, offsets, num_local_experts=e_local, capacity=cap, to_batch=to_batch)
     want = torch.full_like(src, float("nan"))
     for s in range(world):
@@ -392,6 +402,8 @@ def _all_gather_rank_main(rank: int, init_file: str, chunk_size: int, routing: s
 
 
 @pytest.mark.parametrize("chunk_size, routing", [(32768, "uniform"), (4, "out_of_range")])
-def test_all_gather_expert_parallel_two_ranks(chunk_size, routing):
+def test_all_gather_expert_parallel_two_ranks(chunk_size, routing, monkeypatch):
+    if torch.cuda.device_count() < ALL_GATHER_WORLD:  # NCCL needs a GPU per rank: else gloo on CPU
+        _gloo_ranks_on_cpu(monkeypatch)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_all_gather_rank_main, args=(os.path.join(tmp, "init"), chunk_size, routing), nprocs=ALL_GATHER_WORLD, join=True)

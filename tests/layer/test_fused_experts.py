@@ -118,7 +118,7 @@ def test_forced_tile_configs():
 
 
 def _args(**over):
-    p = make_problem(MoEShape(4, 4, 64, 64, 2), torch.float32, "uniform", seed=0)
+    p = make_problem(MoEShape(4, 4, 64, 64, 2), torch.float32, "uniform", seed=0, device=DEVICE)
     args = dict(hidden_states=p.x, w1=p.w1, w2=p.w2, topk_weights=p.topk_weights, topk_ids=p.topk_ids)
     args.update(over)
     return args
@@ -126,22 +126,24 @@ def _args(**over):
 
 @pytest.mark.parametrize(
     "over, kwargs, error, match",
-    [
-        (dict(hidden_states=torch.randn(4, 60)), {}, ValueError, "K"),
-        (dict(hidden_states=torch.randn(4, 64, dtype=torch.float64)), {}, TypeError, "hidden_states"),
-        (dict(w1=torch.randn(4, 127, 64)), {}, ValueError, "w1"),
-        (dict(w2=torch.randn(4, 64, 60)), {}, ValueError, "w2"),
-        (dict(topk_ids=torch.zeros(4, 2)), {}, TypeError, "topk_ids"),
-        (dict(topk_ids=torch.zeros(5, 2, dtype=torch.int32)), {}, ValueError, "topk_ids"),
-        (dict(topk_weights=torch.ones(4, 2, dtype=torch.bfloat16)), {}, TypeError, "topk_weights"),
-        (dict(topk_weights=torch.ones(4, 3)), {}, ValueError, "topk_weights"),
-        (dict(topk_ids=torch.zeros(4, 4, dtype=torch.int32)[:, ::2]), {}, ValueError, "topk_ids"),
-        ({}, dict(activation="relu"), ValueError, "activation"),
-        ({}, dict(apply_router_weight_on_input=True), ValueError, "topk == 1"),
-        ({}, dict(global_num_experts=8), ValueError, "expert_map"),
+    [  # the bad arguments made on DEVICE when the test runs, so only the named fault is wrong
+        (lambda: dict(hidden_states=torch.randn(4, 60)), {}, ValueError, "K"),
+        (lambda: dict(hidden_states=torch.randn(4, 64, dtype=torch.float64)), {}, TypeError, "hidden_states"),
+        (lambda: dict(w1=torch.randn(4, 127, 64)), {}, ValueError, "w1"),
+        (lambda: dict(w2=torch.randn(4, 64, 60)), {}, ValueError, "w2"),
+        (lambda: dict(topk_ids=torch.zeros(4, 2)), {}, TypeError, "topk_ids"),
+        (lambda: dict(topk_ids=torch.zeros(5, 2, dtype=torch.int32)), {}, ValueError, "topk_ids"),
+        (lambda: dict(topk_weights=torch.ones(4, 2, dtype=torch.bfloat16)), {}, TypeError, "topk_weights"),
+        (lambda: dict(topk_weights=torch.ones(4, 3)), {}, ValueError, "topk_weights"),
+        (lambda: dict(topk_ids=torch.zeros(4, 4, dtype=torch.int32)[:, ::2]), {}, ValueError, "topk_ids"),
+        (dict, dict(activation="relu"), ValueError, "activation"),
+        (dict, dict(apply_router_weight_on_input=True), ValueError, "topk == 1"),
+        (dict, dict(global_num_experts=8), ValueError, "expert_map"),
     ],
 )
 def test_bad_input_raises_before_launch(over, kwargs, error, match):
+    with torch.device(DEVICE):
+        over = over()
     with pytest.raises(error, match=match):
         tmoe.fused_experts(**_args(**over), **kwargs)
 
@@ -221,7 +223,7 @@ def test_fused_route_by_size(m, monkeypatch):
 
 def test_bad_bias_shape():
     with pytest.raises(ValueError, match="w1_bias"):
-        tmoe.fused_experts(**_args(), w1_bias=torch.zeros(4, 64))
+        tmoe.fused_experts(**_args(), w1_bias=torch.zeros(4, 64, device=DEVICE))
 
 
 

@@ -440,14 +440,14 @@ def test_gpt_oss_mxfp4_experts_stay_packed(state):
     e, h, i, t, k = 4, 64, 96, 7, 2
     config = transformers.GptOssConfig(hidden_size=h, intermediate_size=i, num_local_experts=e,
                                        num_experts_per_tok=k)
-    ckpt = _gpt_oss_checkpoint(e, h, i)
-    stock = GptOssExperts(config)
+    ckpt = {name: t.to(DEVICE) for name, t in _gpt_oss_checkpoint(e, h, i).items()}
+    stock = GptOssExperts(config).to(DEVICE)
     with torch.no_grad():
         for proj in ("gate_up_proj", "down_proj"):
             dense = convert_moe_packed_tensors(ckpt[f"{proj}_blocks"], ckpt[f"{proj}_scales"], dtype=torch.float32)
             getattr(stock, proj).copy_(dense)  # (E, H, 2I) and (E, I, H): GPT-OSS's dense layout
             getattr(stock, f"{proj}_bias").copy_(ckpt[f"{proj}_bias"])
-    packed = Mxfp4GptOssExperts(config)
+    packed = Mxfp4GptOssExperts(config).to(DEVICE)
     with torch.no_grad():
         packed.gate_up_proj_bias.copy_(ckpt["gate_up_proj_bias"])
         packed.down_proj_bias.copy_(ckpt["down_proj_bias"])
@@ -460,17 +460,17 @@ def test_gpt_oss_mxfp4_experts_stay_packed(state):
             del packed._parameters[proj]
             setattr(packed, proj, _Swizzled(blocks.flatten(2)))
             setattr(packed, f"{proj}_precision_config", type("PC", (), {"weight_scale": _Swizzled(scales)})())
-    x = torch.randn(t, h)
+    x = torch.randn(t, h, device=DEVICE)
     holder = torch.nn.Module()
     if state == "checkpoint":  # the experts alone (as an expert-parallel hook calls them)
         holder.experts = packed
         assert replace_moe_blocks(holder, strict=True) == 1
         swapped = holder.experts
         assert swapped.down_proj.data_ptr() == ckpt["down_proj_blocks"].data_ptr(), "down_proj must be a view"
-        weights, ids = torch.topk(torch.randn(t, e).softmax(-1), k)
+        weights, ids = torch.topk(torch.randn(t, e, device=DEVICE).softmax(-1), k)
         out, ref = swapped(x, ids, weights), stock(x, ids, weights)
     else:  # inside the block transformers builds, which routes with triton_kernels: replaced around its router
-        router = GptOssTopKRouter(config)
+        router = GptOssTopKRouter(config).to(DEVICE)
         torch.nn.init.normal_(router.weight)
         holder.mlp = Mxfp4GptOssMLP(router, packed)
         assert replace_moe_blocks(holder, strict=True) == 1

@@ -129,7 +129,7 @@ _TABLE: dict[int, torch.Tensor] = {}  # a cached constant, made before the recor
 
 def _composite(x: torch.Tensor, out: torch.Tensor, extra_torch_op: bool = False) -> torch.Tensor:
     if x.numel() not in _TABLE:
-        _TABLE[x.numel()] = torch.arange(x.numel(), dtype=torch.float32)
+        _TABLE[x.numel()] = torch.arange(x.numel(), dtype=torch.float32, device=x.device)
     table = _TABLE[x.numel()]
     tmp = torch.empty_like(x)  # a workspace: allocated by the call
     if extra_torch_op:
@@ -142,11 +142,11 @@ def _composite(x: torch.Tensor, out: torch.Tensor, extra_torch_op: bool = False)
 def test_replay_keeps_constants_and_refuses_other_device_work(extra_torch_op, replays):
     replay = CallReplay()
     for _ in range(CALLS):
-        x = torch.randn(10)
-        out = torch.empty(10)
+        x = torch.randn(10, device=DEVICE)
+        out = torch.empty(10, device=DEVICE)
         assert replay.run((out, x), lambda: _composite(x, out, extra_torch_op)) is out
         factor = 2 if extra_torch_op else 1
-        torch.testing.assert_close(out, x * factor * torch.arange(10.0) + 1, rtol=0, atol=1e-6)
+        torch.testing.assert_close(out, x * factor * torch.arange(10.0, device=DEVICE) + 1, rtol=0, atol=1e-6)
     assert (replay.steps is None) == extra_torch_op  # a torch op in the call: never replayed
     assert replays[0] == (0 if extra_torch_op else CALLS - 2)
     if not extra_torch_op:
@@ -157,7 +157,7 @@ def test_replay_keeps_constants_and_refuses_other_device_work(extra_torch_op, re
 
 def test_clearing_the_launch_caches_records_again(replays):
     replay = CallReplay()
-    x, out = torch.randn(10), torch.empty(10)
+    x, out = torch.randn(10, device=DEVICE), torch.empty(10, device=DEVICE)
     for _ in range(3):
         replay.run((out, x), lambda: _composite(x, out))
     assert replays[0] == 1

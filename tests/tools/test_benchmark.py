@@ -15,6 +15,14 @@ from tmoe.testing.tolerance import rel_error
 # E=4, N=8, K=16, topk=2 at M=3 with 3 experts touched, by hand: weights 3 experts * 3NK = 1152
 # elements, activations 2 * M * K = 96 elements, so 2496 bf16 bytes; flops 2 * M * topk * 3NK = 4608.
 SMALL = inputs.Shape("small", e=4, n=8, k=16, topk=2)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def on_device():
+    """Tensors made without a device land where tmoe's kernels run in this process."""
+    with torch.device(DEVICE):
+        yield
 
 
 def test_layer_traffic_by_hand():
@@ -222,6 +230,7 @@ def test_scaled_grouped_mm_setup_failure_is_reported(monkeypatch):
     assert p.name == "scaled_grouped_mm" and bm.guarded(lambda: p.fn(None)) == "MemoryError"
 
 
+@pytest.mark.usefixtures("on_device")
 @pytest.mark.parametrize("block, tiles, warps", [(64, 16, 8), (128, 4, 8), (256, 1, 8), (512, 1, 16), (1024, 1, 32)])
 def test_read_ceiling_kernel_reads_every_element_once(block, tiles, warps):
     """Each read-kernel shape (small stand-ins for ``_READ_SHAPES``) sums every element exactly once."""
@@ -252,6 +261,7 @@ def test_low_bit_floor_counts_the_scheme_bytes():
     assert bm.parse_args(["--dtype", "mxfp4"]).dtype == "mxfp4"
 
 
+@pytest.mark.usefixtures("on_device")
 @pytest.mark.parametrize("dtype", ["int4", "int8", "mxfp4"])
 def test_low_bit_providers_match_reference(dtype):
     from tmoe.tools.low_bit import low_bit_providers
@@ -277,6 +287,7 @@ def test_ceilings_take_the_best_trial_of_each_kind():
     assert c.bf16_flops == max(c.trials["bf16"] + c.trials["bf16 burst"]) and c.fp8_flops == 2 * c.bf16_flops
 
 
+@pytest.mark.usefixtures("on_device")
 @pytest.mark.parametrize("mode", ["fp8_block", "fp8_token"])
 def test_fp8_stage_calls_chain_to_the_layer(mode):
     """The fp8 stage calls (quantize, align, up, quantize the intermediate, down, reduce), run in
@@ -298,6 +309,7 @@ def test_fp8_stage_calls_chain_to_the_layer(mode):
     assert rel_error(out.float(), ref) < 6e-2
 
 
+@pytest.mark.usefixtures("on_device")
 @pytest.mark.parametrize("mode", ["bf16", "fp8_token"])
 def test_grouped_stage_calls_chain_to_the_layer(mode):
     """On the grouped core, the stage calls (align, rows in expert order, up, down, reduce; fp8 the
