@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,6 +18,7 @@ import triton
 
 from tmoe.kernels import align
 from tmoe.runtime.state import clear_launch_caches
+from tmoe.tools.results import git_commit
 
 # (name, M, E, topk, block_m): the block size each shape's layer aligns to at that M
 CASES = [("qwen3", 1024, 128, 8, 64), ("qwen3", 4096, 128, 8, 64), ("qwen3", 16384, 128, 8, 64),
@@ -51,9 +51,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("repro_align_chunks needs a CUDA device")
     shipped = Candidate(align.SUBS_PER_CHUNK, align.TARGET_CHUNKS, align.SCAN_TILE_ELEMENTS, align.SCAN_WARPS)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     env = [datetime.datetime.now().isoformat(timespec="seconds"), torch.cuda.get_device_name(), torch.__version__,
-           triton.__version__, commit or "unknown"]
+           triton.__version__, git_commit()]
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     print("case | " + " | ".join(str(tuple(c)) for c in CANDIDATES) + "  (µs; shipped: %s)" % (tuple(shipped),))

@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tmoe  # noqa: E402
+from tests.integrations.hf_tiny import DEVICE  # noqa: E402
 import tmoe.integrations.transformers  # noqa: E402,F401  (registers "tmoe")
 from tmoe.integrations import hf_fp8, hf_registry  # noqa: E402
 from tmoe.reference import dequantize_fp8_reference, moe_reference  # noqa: E402
@@ -21,7 +22,6 @@ from transformers.integrations.moe import use_experts_implementation  # noqa: E4
 
 E, H, I, TOPK = 4, 256, 128, 2  # noqa: E741  (transformers' names: hidden H, intermediate I)
 BLOCK = (128, 128)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where tmoe's kernels run in this process
 
 
 def fp8_experts(has_gate: bool = True, hidden_act: str = "silu", **config) -> tuple[torch.nn.Module, tuple]:

@@ -15,16 +15,20 @@ from tmoe.integrations.transformers import (  # noqa: E402
 )
 from tmoe.testing import assert_close  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-from tests.integrations.hf_tiny import FAMILIES, REGISTRY_ONLY, SIZES, VOCAB  # noqa: E402  (one table of tiny families)
+from tests.integrations.hf_tiny import DEVICE, FAMILIES, REGISTRY_ONLY, SIZES, random_tokens  # noqa: E402  (one table of tiny families)
 
 
 def _model(name, dtype=torch.float32, **overrides):
+    """Family ``name``'s stock tiny model; skips where the installed transformers lacks the family
+    or a config field of ``overrides`` (an override it ignores would not reach the experts)."""
     family = FAMILIES[name]
     config_cls = getattr(transformers, family.config, None)
     if config_cls is None:
         pytest.skip(f"transformers {transformers.__version__} has no {family.config}")
     fields = inspect.signature(config_cls.__init__).parameters
+    missing = sorted(set(overrides) - set(fields))
+    if missing:
+        pytest.skip(f"transformers {transformers.__version__}'s {family.config} takes no {missing}")
     config = config_cls(**{k: v for k, v in SIZES.items() if k in fields} | family.kwargs | overrides)
     torch.manual_seed(0)
     model = getattr(transformers, family.model)(config).to(DEVICE, dtype).eval()
@@ -61,16 +65,6 @@ def _skip_unless_installed_layout_is_tmoes(model, name):
         pytest.skip(f"transformers {transformers.__version__}'s {experts}: {why}")
 
 
-def _skip_unless_config_takes(name, overrides):
-    """Overrides of config fields an older transformers lacks would not reach the experts."""
-    config_cls = getattr(transformers, FAMILIES[name].config, None)
-    if config_cls is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {FAMILIES[name].config}")
-    missing = sorted(set(overrides) - set(inspect.signature(config_cls.__init__).parameters))
-    if missing:
-        pytest.skip(f"transformers {transformers.__version__}'s {FAMILIES[name].config} takes no {missing}")
-
-
 # Clamped gating with values other than the defaults: tmoe takes them as runtime floats.
 CLAMPED = {"gpt_oss_alpha_limit": ("gpt_oss", dict(swiglu_limit=0.3)),
            "step3p7_text_limit": ("step3p7_text", dict(swiglu_limits=[0.05]))}
@@ -83,13 +77,12 @@ REPLACED = sorted(set(FAMILIES) - set(REGISTRY_ONLY))  # families replace_moe_bl
 def test_family_matches_stock(name):
     """Logits (or the text model's hidden states) and greedy tokens equal stock's after the swap."""
     name, overrides = CLAMPED.get(name, (name, {}))
-    _skip_unless_config_takes(name, overrides)
     model = _model(name, **overrides)
     _skip_unless_installed_layout_is_tmoes(model, name)
     if name == "gpt_oss" and overrides:
         for m in _stock_experts(model, name):
             m.alpha = 1.2
-    tokens = torch.randint(3, VOCAB, (1, 6), device=DEVICE)
+    tokens = random_tokens(1, 6)
     generates = isinstance(model, transformers.GenerationMixin)
     with torch.no_grad():
         before = _output(model, tokens)
@@ -122,7 +115,6 @@ UNSUPPORTED = [  # (family, config overrides, what the warning says about its ex
 @pytest.mark.parametrize("name, overrides, message", UNSUPPORTED)
 def test_unsupported_configuration_is_reported(name, overrides, message):
     """A supported class whose configuration tmoe cannot run is named with the reason; strict raises."""
-    _skip_unless_config_takes(name, overrides)
     model = _model(name, **overrides)
     with pytest.raises(ValueError, match=re.escape(message)):
         replace_moe_blocks(model, strict=True)
