@@ -24,6 +24,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.runtime import state
 
+try:  # the Gluon engine's host descriptors (a class of their own), where this Triton has them
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    DESCRIPTORS: tuple[type, ...] = (TensorDescriptor, GluonTensorDescriptor)
+except ImportError:
+    DESCRIPTORS = (TensorDescriptor, )
+
 _Tensor = torch.Tensor
 
 
@@ -89,8 +95,8 @@ def _key_of(v: Any) -> Any:
     values), any other value as it is."""
     if isinstance(v, _Tensor):
         return v.dtype, v.data_ptr() % 16 == 0
-    if isinstance(v, TensorDescriptor):
-        return (TensorDescriptor, v.base.dtype, v.base.data_ptr() % 16 == 0,
+    if isinstance(v, DESCRIPTORS):
+        return (type(v), v.base.dtype, v.base.data_ptr() % 16 == 0,
                 *[tuple(x) if isinstance(x, list) else x for name, x in vars(v).items()
                   if name not in ("base", "shape", "strides")])
     return v

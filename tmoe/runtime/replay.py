@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.runtime import state
-from tmoe.runtime.launch import grid3, hooked
+from tmoe.runtime.launch import DESCRIPTORS, grid3, hooked
 
 RECORD_ATTEMPTS = 3  # recordings tried per signature before it keeps the plain path
 _ALIGN = 256
@@ -195,7 +195,7 @@ class CallReplay:
         for entry in launches:
             sources = {}
             for name, v in entry.kwargs.items():
-                if isinstance(v, TensorDescriptor):
+                if isinstance(v, DESCRIPTORS):
                     i = _owner(spans, v.base.data_ptr())
                     if i is None or v.base.data_ptr() != inputs[i].data_ptr() or v.base.dtype != inputs[i].dtype:
                         return

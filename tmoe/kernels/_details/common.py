@@ -9,12 +9,13 @@ def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
-@triton.jit
-def act_and_mul(gate, up, alpha, limit, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr):
+# The activations are written once for both dialects (builtins only, no jit helper calls): jitted
+# here for the tl kernels and by ``ws_engine`` for the Gluon engine, so both apply the same math.
+def _act_and_mul(gate, up, alpha, limit, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr):
     """``act(gate) * up`` in float32; gate and up are [BM, BN] float32 tiles; ``alpha`` and
     ``limit`` runtime floats. CLAMP with silu: min(silu(gate), limit) * clamp(up, -limit, limit)."""
     if ACTIVATION == "silu":
-        out = gate * _sigmoid(gate)
+        out = gate * (1.0 / (1.0 + tl.exp(-gate)))
         if CLAMP:
             out = tl.minimum(out, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -23,25 +24,28 @@ def act_and_mul(gate, up, alpha, limit, ACTIVATION: tl.constexpr, CLAMP: tl.cons
         out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
     elif ACTIVATION == "gelu_tanh":
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        out = 0.5 * gate * (1.0 + (2.0 * _sigmoid(2.0 * inner) - 1.0)) * up
+        out = 0.5 * gate * (1.0 + (2.0 * (1.0 / (1.0 + tl.exp(-2.0 * inner))) - 1.0)) * up
     else:  # swigluoai (GPT-OSS): gate <= limit, up in [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-        out = gate * _sigmoid(alpha * gate) * (up + 1.0)
+        out = gate * (1.0 / (1.0 + tl.exp(-(alpha * gate)))) * (up + 1.0)
     return out
 
 
-@triton.jit
-def act_no_mul(h, ACTIVATION: tl.constexpr):
+def _act_no_mul(h, ACTIVATION: tl.constexpr):
     """``act(h)`` in float32 for the non-gated activations; h is a [BM, BN] float32 tile."""
     if ACTIVATION == "silu_no_mul":
-        out = h * _sigmoid(h)
+        out = h * (1.0 / (1.0 + tl.exp(-h)))
     elif ACTIVATION == "gelu_no_mul":
         out = 0.5 * h * (1.0 + tl.erf(h * 0.7071067811865476))
     else:  # relu2_no_mul: relu(h)^2
         r = tl.maximum(h, 0.0)
         out = r * r
     return out
+
+
+act_and_mul = triton.jit(_act_and_mul)
+act_no_mul = triton.jit(_act_no_mul)
 
 
 @triton.jit

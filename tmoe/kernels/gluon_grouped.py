@@ -1,0 +1,179 @@
+"""The grouped expert GEMMs on the warp-specialized Hopper engine (Gluon), the twin of
+``moe_grouped_gemm``'s ``tl`` core for float operands: the same sorted rows, align metadata, tile
+order, outputs and epilogue math, with a one-warp TMA producer streaming A and weight tiles through
+a ring of shared-memory stages while the consumer warp groups (the default partition) multiply and
+run the epilogue, so the loads of a tile's stages and the next tile's overlap the MMAs and the
+epilogue.
+
+A (EM, K) holds the routed rows in the align stage's order, each expert's run padded to block_m, so
+a row block belongs to one expert; the weights (E, N_w, K) are read as a 2-D (E * N_w, K) view (N_w a
+multiple of block_n: a tile never crosses experts). The valid tile count comes from
+num_tokens_post_padded in device memory. The up GEMM (``GATED``) loads the gate and up tiles of the
+same columns and applies the activation (``common._act_and_mul``/``_act_no_mul``, the ``tl`` kernels'
+own code) and stores its intermediate in sorted order through TMA; the down GEMM stores each row at
+its slot (``sorted_token_ids``), padding rows never. Either may multiply the router weight."""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from tmoe.kernels._details.common import _act_and_mul, _act_no_mul
+from tmoe.kernels._details.ws_engine import (
+    LOADER_REGS, alloc_ring, load_stage, mainloop, mma_layout, ring_slot, tma_store,
+)
+from tmoe.kernels.activation import Activation
+from tmoe.kernels.gemm_config import GemmConfig
+from tmoe.kernels.gluon_matmul import dense_tile, descriptor, max_registers
+from tmoe.kernels.operands import Routing
+from tmoe.runtime.launch import launch
+
+gl_act_and_mul = gluon.jit(_act_and_mul)
+gl_act_no_mul = gluon.jit(_act_no_mul)
+
+STAGE_BUDGET = 226 * 1024  # bytes of Hopper's 227 KB per block for the ring and the epilogue buffer
+MAX_STAGES = 6
+
+
+@gluon.jit
+def _grouped_loader(a_desc, w_desc, a_bufs, b_bufs, b2_bufs, ready, empty, expert_ids_ptr, num_post_padded_ptr,
+                    N, N_W, K, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    TWO_B: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    num_valid_m = gl.load(num_post_padded_ptr) // BLOCK_M
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    counter = 0
+    for tile in range(gl.program_id(0), num_valid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = dense_tile(tile, num_valid_m, num_pid_n, GROUP_M)
+        w_row = gl.load(expert_ids_ptr + pid_m) * N_W + pid_n * BLOCK_N  # the gate (or only) rows; up rows at + N
+        for ki in range(k_tiles):
+            s, phase = ring_slot(counter, NUM_STAGES)
+            mbarrier.wait(empty.index(s), phase ^ 1)
+            load_stage(a_desc, w_desc, pid_m * BLOCK_M, w_row, w_row + N, ki * BLOCK_K, ready.index(s),
+                       a_bufs.index(s), b_bufs.index(s), b2_bufs.index(s), TWO_B)
+            counter += 1
+
+
+@gluon.jit
+def _grouped_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c_smem, out_ptr, sorted_ids_ptr,
+                      num_post_padded_ptr, topk_weights_ptr, N, K, num_slots, stride_om, act_alpha, act_limit,
+                      NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      BLOCK_N: gl.constexpr, GATED: gl.constexpr, MUL: gl.constexpr, ACTIVATION: gl.constexpr,
+                      CLAMP: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    layout: gl.constexpr = mma_layout(a_bufs.dtype, BLOCK_M, BLOCK_N, num_warps)
+    num_valid_m = gl.load(num_post_padded_ptr) // BLOCK_M
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    counter = 0
+    for tile in range(gl.program_id(0), num_valid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = dense_tile(tile, num_valid_m, num_pid_n, GROUP_M)
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
+        acc, up, counter = mainloop(a_bufs, b_bufs, b2_bufs, ready, empty, counter, k_tiles, acc, acc, NUM_STAGES,
+                                    MUL)
+        rows = pid_m.to(gl.int64) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # [BM]
+        slots = gl.load(sorted_ids_ptr + rows).to(gl.int64)  # [BM]; padding rows hold num_slots
+        mask_m = slots < num_slots
+        if MUL_ROUTED_WEIGHT:
+            weight = gl.load(topk_weights_ptr + gl.where(mask_m, slots, 0), mask=mask_m, other=0.0)  # [BM]
+            acc = acc * weight[:, None]
+            if MUL:
+                up = up * weight[:, None]
+        if GATED:
+            if MUL:
+                acc = gl_act_and_mul(acc, up, act_alpha, act_limit, ACTIVATION, CLAMP)
+            else:
+                acc = gl_act_no_mul(acc, ACTIVATION)
+            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+            c_smem.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            tma_store(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
+        else:
+            offs_n = pid_n.to(gl.int64) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))  # [BN]
+            ptrs = out_ptr + gl.where(mask_m, slots, 0)[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
+            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])
+    if GATED:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _gluon_grouped_kernel(a_desc, w_desc, c_desc, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
+                          topk_weights_ptr, N, N_W, K, num_slots, stride_om, act_alpha, act_limit,
+                          NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                          GATED: gl.constexpr, MUL: gl.constexpr, ACTIVATION: gl.constexpr, CLAMP: gl.constexpr,
+                          MUL_ROUTED_WEIGHT: gl.constexpr, num_warps: gl.constexpr):
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    a_bufs, b_bufs, b2_bufs, ready, empty = alloc_ring(a_desc, w_desc, NUM_STAGES, MUL)
+    if GATED:
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    else:
+        c_smem = a_bufs.index(0)  # unused: the down GEMM stores by pointers
+    gl.warp_specialize([
+        (_grouped_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c_smem, out_ptr, sorted_ids_ptr,
+                             num_post_padded_ptr, topk_weights_ptr, N, K, num_slots, stride_om, act_alpha, act_limit,
+                             NUM_PROGRAMS, GROUP_M, NUM_STAGES, BLOCK_N, GATED, MUL, ACTIVATION, CLAMP,
+                             MUL_ROUTED_WEIGHT, num_warps)),
+        (_grouped_loader, (a_desc, w_desc, a_bufs, b_bufs, b2_bufs, ready, empty, expert_ids_ptr, num_post_padded_ptr,
+                           N, N_W, K, NUM_PROGRAMS, GROUP_M, NUM_STAGES, MUL)),
+    ], [1], [LOADER_REGS])
+
+
+def ring_stages(config: GemmConfig, element_size: int, two_b: bool, epilogue_bytes: int) -> int:
+    """The ring's depth: as many stages of A [BM, BK] and one or two weight tiles [BN, BK] as fit
+    beside the epilogue buffer in STAGE_BUDGET, at most MAX_STAGES."""
+    stage = (config.block_m + config.block_n * (1 + two_b)) * config.block_k * element_size
+    return max(2, min(MAX_STAGES, (STAGE_BUDGET - epilogue_bytes) // stage))
+
+
+def gluon_grouped_fits(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig,
+                       activation: Activation | None, gated: bool) -> bool:
+    """Whether the Gluon engine runs this grouped GEMM: bf16/fp16 rows and weights of one dtype, a
+    float output of it, N_w a multiple of block_n (tiles stay inside an expert), gate and up not
+    interleaved, block_m 64 or 128. The other cases (fp8 scales, fused quantization, biases, the
+    saved pre-activation) keep the ``tl`` core."""
+    n_w = w.shape[1]
+    mul = gated and (activation or Activation()).gated
+    n = n_w // 2 if mul else n_w
+    return (a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype and out.dtype == a.dtype
+            and config.block_m in (64, 128) and n % config.block_n == 0
+            and not (mul and activation is not None and activation.interleaved)
+            and all(t.stride(-1) == 1 and t.stride(-2) * t.element_size() % 16 == 0 for t in (a, out))
+            and w.is_contiguous())
+
+
+def invoke_gluon_grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig,
+                              routing: Routing, programs: int, *, gated: bool, activation: Activation | None = None,
+                              topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert GEMM on the Gluon engine (``gluon_grouped_fits`` holds; sm_90). ``a`` (EM, K)
+    sorted rows, ``w`` (E, N_w, K); ``gated``: ``out`` (EM, N) in sorted order after the activation;
+    else ``out`` (num_slots, N), row = slot. ``topk_weights`` ([num_slots] float32) multiplies each
+    slot's accumulator. ``programs``: persistent programs (the SM count)."""
+    act = (activation or Activation()) if gated else None
+    mul = act is not None and act.gated
+    e, n_w, k = w.shape
+    n = n_w // 2 if mul else n_w
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    num_tiles = routing.expert_ids.shape[0] * triton.cdiv(n, bn)
+    if num_tiles == 0:
+        return out
+    programs = min(programs, num_tiles)
+    c_desc = descriptor(out, [bm, bn]) if gated else descriptor(a, [bm, bk])
+    stages = ring_stages(config, a.element_size(), mul, bm * bn * out.element_size() if gated else 0)
+    alpha, limit, clamp = act.floats() if act is not None else (1.0, 0.0, False)
+    launch(_gluon_grouped_kernel, (programs, ),
+           a_desc=descriptor(a, [bm, bk]), w_desc=descriptor(w.view(e * n_w, k), [bn, bk]), c_desc=c_desc,
+           out_ptr=out, sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
+           num_post_padded_ptr=routing.num_tokens_post_padded,
+           topk_weights_ptr=topk_weights if topk_weights is not None else out,
+           N=n, N_W=n_w, K=k, num_slots=routing.num_slots, stride_om=out.stride(0), act_alpha=alpha, act_limit=limit,
+           NUM_PROGRAMS=programs, GROUP_M=config.group_m, NUM_STAGES=stages, GATED=gated, MUL=mul,
+           ACTIVATION=act.name if act is not None else "silu", CLAMP=clamp,
+           MUL_ROUTED_WEIGHT=topk_weights is not None, num_warps=config.num_warps,
+           maxnreg=max_registers(config.num_warps))
+    return out
