@@ -1,7 +1,8 @@
 """Every variant of the warp-specialized Gluon engine compiles for Hopper (sm_90) with the installed
 Triton, without a GPU (Gluon kernels do not run under the interpreter; ``tmoe.testing.sm90`` stands
 in an sm_90 driver and only compiles): the dense matmul's tile configs and the grouped GEMMs (up with
-every activation and the router weight on either GEMM in bf16, fp16 and block_m 64 with silu; down), each
+every activation and the router weight on either GEMM in bf16, fp16 and block_m 64 with silu; down;
+fp8 with per-token and per-channel scales; biases and the saved pre-activation), each
 with a warp-specialized producer (``ttg.warp_specialize``), wgmma and TMA in its code, within
 Hopper's 227 KB of shared memory and without spilling registers to local memory."""
 import os
@@ -62,6 +63,20 @@ SCRIPT = textwrap.dedent("""
         for weights in (None, torch.empty(slots)):
             invoke_gluon_grouped_gemm(inter, w2, torch.empty(slots, k, dtype=dtype), down, routing, 132,
                                       gated=False, topk_weights=weights)
+    # fp8 operands with per-token and per-channel scales; biases and the saved pre-activation
+    from tmoe.kernels.operands import Scales
+    fp8, routing = torch.float8_e4m3fn, Routing(torch.zeros(1024, dtype=torch.int32), torch.zeros(8, dtype=torch.int32),
+                                                torch.zeros(1, dtype=torch.int32), slots, 2)
+    for dtype, bk in ((fp8, 128), (torch.bfloat16, 64)):
+        s1 = Scales(torch.empty(1024, 1), torch.empty(e, 2 * n, 1)) if dtype == fp8 else None
+        s2 = Scales(torch.empty(1024, 1), torch.empty(e, k, 1)) if dtype == fp8 else None
+        invoke_gluon_grouped_gemm(torch.empty(1024, k, dtype=dtype), torch.empty(e, 2 * n, k, dtype=dtype),
+                                  torch.empty(1024, n, dtype=torch.bfloat16), GemmConfig(128, 128, bk, num_warps=8),
+                                  routing, 132, gated=True, scales=s1, bias=torch.empty(e, 2 * n, dtype=torch.bfloat16),
+                                  pre_out=torch.empty(slots, 2 * n, dtype=torch.bfloat16))
+        invoke_gluon_grouped_gemm(torch.empty(1024, n, dtype=dtype), torch.empty(e, k, n, dtype=dtype),
+                                  torch.empty(slots, k, dtype=torch.bfloat16), GemmConfig(128, 256, bk, num_warps=8),
+                                  routing, 132, gated=False, scales=s2, bias=torch.empty(e, k, dtype=torch.bfloat16))
     print("\\n".join(rows))
 """)
 
@@ -76,7 +91,7 @@ def test_gluon_engine_compiles_for_sm90(tmp_path):
     rows = [line.split() for line in proc.stdout.strip().splitlines()]
     names = {r[0] for r in rows}
     assert names == {"_gluon_dense_kernel", "_gluon_grouped_kernel"}, names
-    assert len(rows) == 3 + (2 * 7 + 2) + 2 * (2 + 2), f"every variant compiled: {len(rows)} compiles"
+    assert len(rows) == 3 + (2 * 7 + 2) + 2 * (2 + 2) + 4, f"every variant compiled: {len(rows)} compiles"
     for name, shared, spilled, ok in rows:
         assert int(shared) <= SMEM_LIMIT, f"{name} needs {shared} bytes of shared memory (sm_90: {SMEM_LIMIT})"
         assert int(spilled) == 0, f"{name} spills {spilled} bytes of registers to local memory"

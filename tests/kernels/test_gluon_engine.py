@@ -94,3 +94,52 @@ def test_grouped_graph_replay_with_new_routing(gluon_calls):
         graph.replay()
     assert gluon_calls
     assert_close(out, moe_reference(p.x, p.w1, p.w2, q.topk_weights, q.topk_ids), torch.bfloat16)
+
+
+FP8_UP, FP8_DOWN = (GemmConfig(128, n, 128, num_warps=8, tma=True, persistent=True) for n in (128, 256))
+
+
+@pytest.mark.parametrize("scheme", ["tensor", "tensor_static", "token"])
+def test_grouped_fp8_scaled(scheme, gluon_calls):
+    """fp8 activations with per-tensor (dynamic, static) or per-token scales and per-tensor or
+    per-channel weight scales: the engine rescales in its epilogue, as the tl core does."""
+    from tests.layer.test_fp8_layer import SCHEMES, run_scheme
+    p = make_problem(MoEShape(700, 8, 256, 512, 2), torch.bfloat16, "skewed", seed=7, device="cuda")
+    chosen = next(s for s in SCHEMES if s.name == scheme)
+    with tmoe.override_route("grouped"), override_config(tmoe.MoEConfig(FP8_UP, FP8_DOWN)):
+        with override_engine("gluon"):
+            out, ref = run_scheme(p, chosen)
+        assert len(gluon_calls) == 2
+        with override_engine("tl"):
+            tl_out, _ = run_scheme(p, chosen)
+    assert_close(out, ref, "fp8")
+    assert_close(out, tl_out, "fp8", name="gluon against tl")
+
+
+def test_grouped_biases(gluon_calls):
+    p = make_problem(MoEShape(300, 8, 256, 512, 2), torch.bfloat16, "skewed", seed=9, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(10)
+    kw = dict(w1_bias=torch.randn(p.w1.shape[:2], device="cuda", generator=g).bfloat16(),
+              w2_bias=torch.randn(p.w2.shape[:2], device="cuda", generator=g).bfloat16())
+    with tmoe.override_route("grouped"), override_config(tmoe.MoEConfig(UP, DOWN)), override_engine("gluon"):
+        out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kw)
+    assert len(gluon_calls) == 2
+    assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, **kw), torch.bfloat16)
+
+
+def test_training_forward_saves_preactivation_on_the_engine(gluon_calls):
+    """The training forward (the up GEMM also stores the pre-activation the backward reads) on the
+    engine: the gradients match float64 autograd of the reference."""
+    p = make_problem(MoEShape(400, 8, 256, 512, 2), torch.bfloat16, "skewed", seed=12, device="cuda")
+    leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.w1, p.w2, p.topk_weights)]
+    with tmoe.override_route("grouped"), override_config(tmoe.MoEConfig(UP, DOWN)), override_engine("gluon"):
+        out = tmoe.fused_experts(*leaves, p.topk_ids)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    assert gluon_calls
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = moe_reference(*ref_leaves, p.topk_ids)
+    ref.backward(grad.double())
+    assert_close(out, ref, torch.bfloat16)
+    for name, t, r in zip(("x", "w1", "w2", "topk_weights"), leaves, ref_leaves):
+        assert_close(t.grad, r.grad, torch.bfloat16, name=f"d{name}")

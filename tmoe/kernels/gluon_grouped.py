@@ -26,8 +26,9 @@ from tmoe.kernels._details.ws_engine import (
 )
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.gluon_matmul import dense_tile, descriptor, max_registers
-from tmoe.kernels.operands import Routing
+from tmoe.kernels.gluon_matmul import GL_DTYPES, dense_tile, descriptor, max_registers
+from tmoe.kernels.gemm_args import scale_args
+from tmoe.kernels.operands import Routing, Scales
 from tmoe.runtime.launch import launch
 
 gl_act_and_mul = gluon.jit(_act_and_mul)
@@ -60,11 +61,72 @@ def _grouped_loader(a_desc, w_desc, a_bufs, b_bufs, b2_bufs, ready, empty, exper
 
 
 @gluon.jit
-def _grouped_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c_smem, out_ptr, sorted_ids_ptr,
-                      num_post_padded_ptr, topk_weights_ptr, N, K, num_slots, stride_om, act_alpha, act_limit,
-                      NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _grouped_epilogue(acc, up, rows, row_0, pid_n, expert, out_ptr, c_desc, c_smem, sorted_ids_ptr, topk_weights_ptr,
+                      a_scale_ptr, w_scale_ptr, bias_ptr, pre_ptr, N, N_W, num_slots, stride_om, stride_asm,
+                      stride_wse, stride_wsn, stride_be, stride_pm, act_alpha, act_limit, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, GATED: gl.constexpr, MUL: gl.constexpr, ACTIVATION: gl.constexpr,
-                      CLAMP: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, num_warps: gl.constexpr):
+                      CLAMP: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, SCALED: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, SAVE_PRE: gl.constexpr):
+    """``moe_tile_matmul_tma``'s scaling and ``moe_epilogue``'s steps, in their order, on the
+    accumulators in the wgmma layout: SCALED (fp8 per-token/tensor activations, per-channel/tensor
+    weights) rescales; the up GEMM (GATED) saves the pre-activation (SAVE_PRE, row = slot), takes
+    the router weight and the bias, applies the activation and stores its sorted rows through TMA;
+    the down GEMM adds the bias, takes the router weight and stores each real row at its slot."""
+    layout: gl.constexpr = acc.type.layout
+    offs_n = pid_n.to(gl.int64) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))  # [BN]
+    mask_n = offs_n < N
+    slots = gl.load(sorted_ids_ptr + rows).to(gl.int64)  # [BM]; padding rows hold num_slots
+    mask_m = slots < num_slots
+    safe_slots = gl.where(mask_m, slots, 0)
+    if SCALED:
+        a_s = gl.load(a_scale_ptr + rows * stride_asm)  # [BM]: sorted rows, all addressable
+        w_s = w_scale_ptr + expert.to(gl.int64) * stride_wse
+        acc = acc * a_s[:, None] * gl.load(w_s + offs_n * stride_wsn, mask=offs_n < N_W, other=0.0)[None, :]
+        if MUL:
+            up = up * a_s[:, None] * gl.load(w_s + (N + offs_n) * stride_wsn, mask=N + offs_n < N_W, other=0.0)[None, :]
+    if MUL_ROUTED_WEIGHT:
+        weight = gl.load(topk_weights_ptr + safe_slots, mask=mask_m, other=0.0)  # [BM]
+    bias = bias_ptr + expert.to(gl.int64) * stride_be + offs_n  # [BN]
+    if GATED:
+        if SAVE_PRE:  # x @ W1 of the tile, before the router weight and the bias
+            pre = pre_ptr + safe_slots[:, None] * stride_pm + offs_n[None, :]  # [BM, BN]
+            mask_pre = mask_m[:, None] & mask_n[None, :]
+            gl.store(pre, acc.to(pre_ptr.dtype.element_ty), mask=mask_pre)
+            if MUL:
+                gl.store(pre + N, up.to(pre_ptr.dtype.element_ty), mask=mask_pre)
+        if MUL_ROUTED_WEIGHT:
+            acc = acc * weight[:, None]
+        if HAS_BIAS:
+            acc += gl.load(bias, mask=mask_n, other=0.0).to(gl.float32)[None, :]
+        if MUL:
+            if MUL_ROUTED_WEIGHT:
+                up = up * weight[:, None]
+            if HAS_BIAS:
+                up += gl.load(bias + N, mask=mask_n, other=0.0).to(gl.float32)[None, :]
+            acc = gl_act_and_mul(acc, up, act_alpha, act_limit, ACTIVATION, CLAMP)
+        else:
+            acc = gl_act_no_mul(acc, ACTIVATION)
+        tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
+        c_smem.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        tma_store(c_desc, [row_0, pid_n * BLOCK_N], c_smem)
+    else:
+        if HAS_BIAS:
+            acc += gl.load(bias, mask=mask_n, other=0.0).to(gl.float32)[None, :]
+        if MUL_ROUTED_WEIGHT:
+            acc = acc * weight[:, None]
+        ptrs = out_ptr + safe_slots[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
+        gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@gluon.jit
+def _grouped_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c_smem, out_ptr, sorted_ids_ptr, expert_ids_ptr,
+                      num_post_padded_ptr, topk_weights_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, pre_ptr, N, N_W, K,
+                      num_slots, stride_om, stride_asm, stride_wse, stride_wsn, stride_be, stride_pm, act_alpha,
+                      act_limit, NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      BLOCK_N: gl.constexpr, GATED: gl.constexpr, MUL: gl.constexpr, ACTIVATION: gl.constexpr,
+                      CLAMP: gl.constexpr, MUL_ROUTED_WEIGHT: gl.constexpr, SCALED: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, SAVE_PRE: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     layout: gl.constexpr = mma_layout(a_bufs.dtype, BLOCK_M, BLOCK_N, num_warps)
@@ -78,36 +140,23 @@ def _grouped_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c_smem, out
         acc, up, counter = mainloop(a_bufs, b_bufs, b2_bufs, ready, empty, counter, k_tiles, acc, acc, NUM_STAGES,
                                     MUL)
         rows = pid_m.to(gl.int64) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))  # [BM]
-        slots = gl.load(sorted_ids_ptr + rows).to(gl.int64)  # [BM]; padding rows hold num_slots
-        mask_m = slots < num_slots
-        if MUL_ROUTED_WEIGHT:
-            weight = gl.load(topk_weights_ptr + gl.where(mask_m, slots, 0), mask=mask_m, other=0.0)  # [BM]
-            acc = acc * weight[:, None]
-            if MUL:
-                up = up * weight[:, None]
-        if GATED:
-            if MUL:
-                acc = gl_act_and_mul(acc, up, act_alpha, act_limit, ACTIVATION, CLAMP)
-            else:
-                acc = gl_act_no_mul(acc, ACTIVATION)
-            tma.store_wait(pendings=0)  # the previous tile's store has left c_smem
-            c_smem.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            tma_store(c_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], c_smem)
-        else:
-            offs_n = pid_n.to(gl.int64) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))  # [BN]
-            ptrs = out_ptr + gl.where(mask_m, slots, 0)[:, None] * stride_om + offs_n[None, :]  # [BM, BN]
-            gl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < N)[None, :])
+        _grouped_epilogue(acc, up, rows, pid_m * BLOCK_M, pid_n, gl.load(expert_ids_ptr + pid_m), out_ptr, c_desc, c_smem,
+                          sorted_ids_ptr, topk_weights_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, pre_ptr, N, N_W,
+                          num_slots, stride_om, stride_asm, stride_wse, stride_wsn, stride_be, stride_pm, act_alpha,
+                          act_limit, BLOCK_M, BLOCK_N, GATED, MUL, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT, SCALED,
+                          HAS_BIAS, SAVE_PRE)
     if GATED:
         tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _gluon_grouped_kernel(a_desc, w_desc, c_desc, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_padded_ptr,
-                          topk_weights_ptr, N, N_W, K, num_slots, stride_om, act_alpha, act_limit,
+                          topk_weights_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, pre_ptr, N, N_W, K, num_slots,
+                          stride_om, stride_asm, stride_wse, stride_wsn, stride_be, stride_pm, act_alpha, act_limit,
                           NUM_PROGRAMS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                           GATED: gl.constexpr, MUL: gl.constexpr, ACTIVATION: gl.constexpr, CLAMP: gl.constexpr,
-                          MUL_ROUTED_WEIGHT: gl.constexpr, num_warps: gl.constexpr):
+                          MUL_ROUTED_WEIGHT: gl.constexpr, SCALED: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          SAVE_PRE: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     a_bufs, b_bufs, b2_bufs, ready, empty = alloc_ring(a_desc, w_desc, NUM_STAGES, MUL)
     if GATED:
@@ -116,9 +165,10 @@ def _gluon_grouped_kernel(a_desc, w_desc, c_desc, out_ptr, sorted_ids_ptr, exper
         c_smem = a_bufs.index(0)  # unused: the down GEMM stores by pointers
     gl.warp_specialize([
         (_grouped_consumer, (a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c_smem, out_ptr, sorted_ids_ptr,
-                             num_post_padded_ptr, topk_weights_ptr, N, K, num_slots, stride_om, act_alpha, act_limit,
-                             NUM_PROGRAMS, GROUP_M, NUM_STAGES, BLOCK_N, GATED, MUL, ACTIVATION, CLAMP,
-                             MUL_ROUTED_WEIGHT, num_warps)),
+                             expert_ids_ptr, num_post_padded_ptr, topk_weights_ptr, a_scale_ptr, w_scale_ptr, bias_ptr,
+                             pre_ptr, N, N_W, K, num_slots, stride_om, stride_asm, stride_wse, stride_wsn, stride_be,
+                             stride_pm, act_alpha, act_limit, NUM_PROGRAMS, GROUP_M, NUM_STAGES, BLOCK_N, GATED, MUL,
+                             ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT, SCALED, HAS_BIAS, SAVE_PRE, num_warps)),
         (_grouped_loader, (a_desc, w_desc, a_bufs, b_bufs, b2_bufs, ready, empty, expert_ids_ptr, num_post_padded_ptr,
                            N, N_W, K, NUM_PROGRAMS, GROUP_M, NUM_STAGES, MUL)),
     ], [1], [LOADER_REGS])
@@ -132,15 +182,17 @@ def ring_stages(config: GemmConfig, element_size: int, two_b: bool, epilogue_byt
 
 
 def gluon_grouped_fits(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig,
-                       activation: Activation | None, gated: bool) -> bool:
-    """Whether the Gluon engine runs this grouped GEMM: bf16/fp16 rows and weights of one dtype, a
-    float output of it, N_w a multiple of block_n (tiles stay inside an expert), gate and up not
-    interleaved, block_m 64 or 128. The other cases (fp8 scales, fused quantization, biases, the
-    saved pre-activation) keep the ``tl`` core."""
+                       activation: Activation | None, gated: bool, scales: Scales | None) -> bool:
+    """Whether the Gluon engine runs this grouped GEMM: bf16/fp16 rows and weights, or fp8 ones with
+    per-token/per-tensor and per-channel/per-tensor scales (``scales``); a bf16/fp16 output; N_w a
+    multiple of block_n (tiles stay inside an expert), gate and up not interleaved, block_m 64 or
+    128. The other cases (block scales, fused output quantization) keep the ``tl`` core."""
     n_w = w.shape[1]
     mul = gated and (activation or Activation()).gated
     n = n_w // 2 if mul else n_w
-    return (a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype and out.dtype == a.dtype
+    fp8 = a.dtype == torch.float8_e4m3fn
+    return (a.dtype in GL_DTYPES and w.dtype == a.dtype and out.dtype in (torch.bfloat16, torch.float16)
+            and (scales is None) != fp8 and (scales is None or scales.block_shape is None)
             and config.block_m in (64, 128) and n % config.block_n == 0
             and not (mul and activation is not None and activation.interleaved)
             and all(t.stride(-1) == 1 and t.stride(-2) * t.element_size() % 16 == 0 for t in (a, out))
@@ -149,11 +201,15 @@ def gluon_grouped_fits(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, conf
 
 def invoke_gluon_grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: GemmConfig,
                               routing: Routing, programs: int, *, gated: bool, activation: Activation | None = None,
-                              topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """One expert GEMM on the Gluon engine (``gluon_grouped_fits`` holds; sm_90). ``a`` (EM, K)
-    sorted rows, ``w`` (E, N_w, K); ``gated``: ``out`` (EM, N) in sorted order after the activation;
-    else ``out`` (num_slots, N), row = slot. ``topk_weights`` ([num_slots] float32) multiplies each
-    slot's accumulator. ``programs``: persistent programs (the SM count)."""
+                              topk_weights: torch.Tensor | None = None, scales: Scales | None = None,
+                              bias: torch.Tensor | None = None, pre_out: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert GEMM on the Gluon engine (``gluon_grouped_fits`` holds; sm_90), the arguments as
+    ``moe_grouped_gemm.invoke_grouped_gemm``'s: ``a`` (EM, K) sorted rows, ``w`` (E, N_w, K);
+    ``gated``: ``out`` (EM, N) in sorted order after the activation; else ``out`` (num_slots, N),
+    row = slot. ``topk_weights`` ([num_slots] float32) multiplies each slot's accumulator;
+    ``scales`` (fp8: per-token or per-tensor rows, per-channel or per-tensor weights), ``bias``
+    (E, N_w), ``pre_out`` (gated: (num_slots, N_w), the saved pre-activation). ``programs``:
+    persistent programs (the SM count)."""
     act = (activation or Activation()) if gated else None
     mul = act is not None and act.gated
     e, n_w, k = w.shape
@@ -166,14 +222,20 @@ def invoke_gluon_grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tenso
     c_desc = descriptor(out, [bm, bn]) if gated else descriptor(a, [bm, bk])
     stages = ring_stages(config, a.element_size(), mul, bm * bn * out.element_size() if gated else 0)
     alpha, limit, clamp = act.floats() if act is not None else (1.0, 0.0, False)
+    sa = scale_args(scales, a, w, config, bn)
     launch(_gluon_grouped_kernel, (programs, ),
            a_desc=descriptor(a, [bm, bk]), w_desc=descriptor(w.view(e * n_w, k), [bn, bk]), c_desc=c_desc,
            out_ptr=out, sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
            num_post_padded_ptr=routing.num_tokens_post_padded,
            topk_weights_ptr=topk_weights if topk_weights is not None else out,
-           N=n, N_W=n_w, K=k, num_slots=routing.num_slots, stride_om=out.stride(0), act_alpha=alpha, act_limit=limit,
+           a_scale_ptr=sa["a_scale_ptr"], w_scale_ptr=sa["w_scale_ptr"], bias_ptr=bias if bias is not None else out,
+           pre_ptr=pre_out if pre_out is not None else out,
+           N=n, N_W=n_w, K=k, num_slots=routing.num_slots, stride_om=out.stride(0), stride_asm=sa["stride_asm"],
+           stride_wse=sa["stride_wse"], stride_wsn=sa["stride_wsn"],
+           stride_be=bias.stride(0) if bias is not None else 0,
+           stride_pm=pre_out.stride(0) if pre_out is not None else 0, act_alpha=alpha, act_limit=limit,
            NUM_PROGRAMS=programs, GROUP_M=config.group_m, NUM_STAGES=stages, GATED=gated, MUL=mul,
            ACTIVATION=act.name if act is not None else "silu", CLAMP=clamp,
-           MUL_ROUTED_WEIGHT=topk_weights is not None, num_warps=config.num_warps,
-           maxnreg=max_registers(config.num_warps))
+           MUL_ROUTED_WEIGHT=topk_weights is not None, SCALED=scales is not None, HAS_BIAS=bias is not None,
+           SAVE_PRE=pre_out is not None, num_warps=config.num_warps, maxnreg=max_registers(config.num_warps))
     return out

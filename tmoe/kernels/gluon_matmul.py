@@ -17,7 +17,7 @@ from tmoe.kernels._details.ws_engine import (
 )
 from tmoe.kernels.gemm_config import GemmConfig
 
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
 @gluon.jit
@@ -102,7 +102,7 @@ def gluon_dense_matmul(a: torch.Tensor, b: torch.Tensor, config: GemmConfig, pro
     """``a @ b.T``: ``a`` (M, K), ``b`` (N, K), bf16 or fp16, K contiguous, on an sm_90 GPU.
     ``config``: block_m/n/k, num_stages (the ring's depth), num_warps (4 or 8 consumer warps),
     group_m; ``programs``: persistent programs (the SM count). Returns (M, N) in ``a``'s dtype."""
-    if a.dtype not in GL_DTYPES or b.dtype != a.dtype:
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype:
         raise ValueError(f"a and b must both be bf16 or fp16, got {a.dtype} and {b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"a (M, K) and b (N, K) must share K, got {tuple(a.shape)} and {tuple(b.shape)}")

@@ -132,13 +132,14 @@ def invoke_grouped_gemm(
     ([num_slots] float32) multiplies each slot's accumulator; ``bias`` (E, N_w). ``config``: tiles
     (``persistent`` and ``tma`` implied; stages and block_k fitted to shared memory). ``pre_out``
     (gated; (num_slots, N_w) contiguous): each slot's pre-activation is stored there too, as
-    ``invoke_moe_gemm``'s. Shapes were checked by the caller. On Hopper, float operands without
-    scales, biases, fused quantization or a saved pre-activation run on the warp-specialized Gluon
-    engine (``gluon_grouped``), the same math; elsewhere on this module's ``tl`` kernel."""
-    if (gluon_grouped is not None and scales is None and bias is None and out_scale is None and pre_out is None
-            and gluon_ready(a.device) and gluon_grouped.gluon_grouped_fits(a, w, out, config, activation, gated)):
-        return gluon_grouped.invoke_gluon_grouped_gemm(a, w, out, config, routing, sm_count(a.device), gated=gated,
-                                                       activation=activation, topk_weights=topk_weights)
+    ``invoke_moe_gemm``'s. Shapes were checked by the caller. On Hopper, all but block scales and
+    the fused output quantization run on the warp-specialized Gluon engine (``gluon_grouped``), the
+    same math; elsewhere on this module's ``tl`` kernel."""
+    if (gluon_grouped is not None and out_scale is None and gluon_ready(a.device)
+            and gluon_grouped.gluon_grouped_fits(a, w, out, config, activation, gated, scales)):
+        return gluon_grouped.invoke_gluon_grouped_gemm(
+            a, w, out, config, routing, sm_count(a.device), gated=gated, activation=activation,
+            topk_weights=topk_weights, scales=scales, bias=bias, pre_out=pre_out)
     act_args = (activation or Activation()).kernel_args() if gated else NO_ACTIVATION_ARGS
     mul = act_args["MUL"]
     n = w.shape[1] // 2 if mul else w.shape[1]
