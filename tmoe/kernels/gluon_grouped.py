@@ -22,11 +22,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from tmoe.kernels._details.common import _act_and_mul, _act_no_mul
 from tmoe.kernels._details.ws_engine import (
-    LOADER_REGS, alloc_ring, load_stage, mainloop, mma_layout, ring_slot, tma_store,
+    LOADER_REGS, alloc_ring, load_stage, mainloop, mma_layout, ring_slot, tile_ids, tma_store,
 )
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.gluon_matmul import GL_DTYPES, dense_tile, descriptor, max_registers
+from tmoe.kernels.gluon_matmul import GL_DTYPES, descriptor, max_registers
 from tmoe.kernels.gemm_args import scale_args
 from tmoe.kernels.operands import Routing, Scales
 from tmoe.runtime.launch import launch
@@ -50,7 +50,7 @@ def _grouped_loader(a_desc, w_desc, a_bufs, b_bufs, b2_bufs, ready, empty, exper
     k_tiles = gl.cdiv(K, BLOCK_K)
     counter = 0
     for tile in range(gl.program_id(0), num_valid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = dense_tile(tile, num_valid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
         w_row = gl.load(expert_ids_ptr + pid_m) * N_W + pid_n * BLOCK_N  # the gate (or only) rows; up rows at + N
         for ki in range(k_tiles):
             s, phase = ring_slot(counter, NUM_STAGES)
@@ -135,7 +135,7 @@ def _grouped_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c_smem, out
     k_tiles = gl.cdiv(K, BLOCK_K)
     counter = 0
     for tile in range(gl.program_id(0), num_valid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = dense_tile(tile, num_valid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
         acc, up, counter = mainloop(a_bufs, b_bufs, b2_bufs, ready, empty, counter, k_tiles, acc, acc, NUM_STAGES,
                                     MUL)

@@ -13,20 +13,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tmoe.kernels._details.ws_engine import (
-    LOADER_REGS, alloc_ring, load_stage, mainloop, mma_layout, ring_slot, tma_store,
+    LOADER_REGS, alloc_ring, load_stage, mainloop, mma_layout, ring_slot, tile_ids, tma_store,
 )
 from tmoe.kernels.gemm_config import GemmConfig
 
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
-
-
-@gluon.jit
-def dense_tile(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """Grouped (swizzled) order of output tiles: GROUP_M row blocks share each column sweep."""
-    in_group = GROUP_M * num_pid_n
-    first_m = (tile // in_group) * GROUP_M
-    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
 
 
 @gluon.jit
@@ -40,7 +31,7 @@ def _dense_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PRO
     k_tiles = gl.cdiv(K, BLOCK_K)
     counter = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = dense_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
         for ki in range(k_tiles):
             s, phase = ring_slot(counter, NUM_STAGES)
             mbarrier.wait(empty.index(s), phase ^ 1)
@@ -61,7 +52,7 @@ def _dense_consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, NUM_P
     k_tiles = gl.cdiv(K, BLOCK_K)
     counter = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = dense_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
         acc, _, counter = mainloop(a_bufs, b_bufs, b_bufs, ready, empty, counter, k_tiles, acc, acc, NUM_STAGES,
                                    False)

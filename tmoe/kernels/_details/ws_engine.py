@@ -39,6 +39,16 @@ def mma_layout(dtype, BLOCK_M, BLOCK_N, num_warps):
 
 
 @gluon.jit
+def tile_ids(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(pid_m, pid_n) of a persistent program's ``tile``-th output tile in grouped (swizzled) order:
+    GROUP_M row blocks share each column sweep, so a weight tile is read once per group."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    size_m = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
+
+
+@gluon.jit
 def ring_slot(counter, NUM_STAGES: gl.constexpr):
     """(stage, phase) of the ``counter``-th use of a NUM_STAGES ring."""
     return counter % NUM_STAGES, (counter // NUM_STAGES) & 1
