@@ -15,7 +15,8 @@ from tmoe.runtime.gluon import gluon_ready, override_engine
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem
 
-HOPPER = torch.cuda.is_available() and gluon_ready(torch.device("cuda"))
+with override_engine("gluon"):
+    HOPPER = torch.cuda.is_available() and gluon_ready(torch.device("cuda"))
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (the Gluon engine)")]
 
 

@@ -132,9 +132,9 @@ def invoke_grouped_gemm(
     ([num_slots] float32) multiplies each slot's accumulator; ``bias`` (E, N_w). ``config``: tiles
     (``persistent`` and ``tma`` implied; stages and block_k fitted to shared memory). ``pre_out``
     (gated; (num_slots, N_w) contiguous): each slot's pre-activation is stored there too, as
-    ``invoke_moe_gemm``'s. Shapes were checked by the caller. On Hopper, all but block scales and
-    the fused output quantization run on the warp-specialized Gluon engine (``gluon_grouped``), the
-    same math; elsewhere on this module's ``tl`` kernel."""
+    ``invoke_moe_gemm``'s. Shapes were checked by the caller. On Hopper, when the engine is asked for
+    (``tmoe.runtime.gluon``), all but block scales and the fused output quantization run on the
+    warp-specialized Gluon engine (``gluon_grouped``), the same math; else on this module's ``tl`` kernel."""
     if (gluon_grouped is not None and out_scale is None and gluon_ready(a.device)
             and gluon_grouped.gluon_grouped_fits(a, w, out, config, activation, gated, scales)):
         return gluon_grouped.invoke_gluon_grouped_gemm(

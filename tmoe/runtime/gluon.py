@@ -1,7 +1,9 @@
 """Where the Gluon engine runs: an sm_90 GPU (Hopper: wgmma and TMA; not the interpreter, not other
 architectures) with a Triton whose Gluon API tmoe's engine compiles with (3.6 through 3.9), read
-once per device index; ``TMOE_GLUON=0`` or ``override_engine("tl")`` keep the ``tl`` kernels (the
-portable twin), ``override_engine("gluon")`` asks for the engine where it can run."""
+once per device index, when asked for: ``TMOE_GLUON=1`` or ``override_engine("gluon")``. It is not
+the default yet: the ``tl`` kernels stay the default until the engine has been measured faster on
+the GPU (docs/routes.md); ``override_engine("tl")`` keeps them inside a block whatever the
+environment says."""
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +38,8 @@ def _hopper(index: int) -> bool:
 
 def gluon_ready(device: torch.device) -> bool:
     """The Gluon engine can run on ``device`` and is wanted (see the module docstring)."""
-    if _OVERRIDE and _OVERRIDE[-1] == "tl":
-        return False
-    if not _OVERRIDE and os.environ.get("TMOE_GLUON", "1") == "0":
+    wanted = _OVERRIDE[-1] == "gluon" if _OVERRIDE else os.environ.get("TMOE_GLUON", "0") == "1"
+    if not wanted:
         return False
     if INTERPRETED or device.type != "cuda":
         return False
