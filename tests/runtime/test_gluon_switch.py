@@ -1,29 +1,32 @@
-"""Which engine the grouped GEMMs take: the Gluon engine only where asked for (``TMOE_GLUON=1`` or
-``override_engine("gluon")``) and able to run (an sm_90 GPU, not the interpreter); the ``tl``
-kernels otherwise, and inside ``override_engine("tl")`` whatever the environment says."""
+"""Which engine the grouped GEMMs take: the Gluon engine only where it can run (an sm_90 GPU, not the
+interpreter): the up GEMM by default, both with ``TMOE_GLUON=1`` or inside
+``override_engine("gluon")``, neither with ``TMOE_GLUON=0`` or inside ``override_engine("tl")``."""
 import pytest
 import torch
 
 from tmoe.runtime import gluon
 
 
-def test_engine_off_a_gpu_and_by_default(monkeypatch):
+def test_engine_by_gemm_environment_and_override(monkeypatch):
     monkeypatch.delenv("TMOE_GLUON", raising=False)
     cpu = torch.device("cpu")
-    assert not gluon.gluon_ready(cpu)
     with gluon.override_engine("gluon"):
-        assert not gluon.gluon_ready(cpu)  # asked for, but no GPU to run on
+        assert not gluon.gluon_ready(cpu, "up")  # asked for, but no GPU to run on
     monkeypatch.setattr(gluon, "_hopper", lambda index: True)
     monkeypatch.setattr(gluon, "INTERPRETED", False)
     cuda = torch.device("cuda", 0)
-    assert not gluon.gluon_ready(cuda)  # not asked for
+    assert gluon.gluon_ready(cuda, "up") and not gluon.gluon_ready(cuda, "down")  # the default
     monkeypatch.setenv("TMOE_GLUON", "1")
-    assert gluon.gluon_ready(cuda)
+    assert gluon.gluon_ready(cuda, "up") and gluon.gluon_ready(cuda, "down")
     with gluon.override_engine("tl"):
-        assert not gluon.gluon_ready(cuda)
+        assert not gluon.gluon_ready(cuda, "up")
     monkeypatch.setenv("TMOE_GLUON", "0")
+    assert not gluon.gluon_ready(cuda, "up")
     with gluon.override_engine("gluon"):
-        assert gluon.gluon_ready(cuda)
+        assert gluon.gluon_ready(cuda, "down")
+    monkeypatch.setattr(gluon, "_hopper", lambda index: False)  # another architecture
+    with gluon.override_engine("gluon"):
+        assert not gluon.gluon_ready(cuda, "up")
 
 
 def test_unknown_engine_is_refused():

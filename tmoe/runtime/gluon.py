@@ -1,9 +1,11 @@
 """Where the Gluon engine runs: an sm_90 GPU (Hopper: wgmma and TMA; not the interpreter, not other
 architectures) with a Triton whose Gluon API tmoe's engine compiles with (3.6 through 3.9), read
-once per device index, when asked for: ``TMOE_GLUON=1`` or ``override_engine("gluon")``. It is not
-the default yet: the ``tl`` kernels stay the default until the engine has been measured faster on
-the GPU (docs/routes.md); ``override_engine("tl")`` keeps them inside a block whatever the
-environment says."""
+once per device index. By default it runs the grouped up GEMM, where it measured faster than the
+``tl`` core (H100: 1.10-1.13x at Mixtral-8x7B M = 1024 and 4096, even at Qwen3-30B-A3B), and not
+the down GEMM, where it measured slower (0.92-0.96x at Mixtral; ``bench/results/bench_moe.csv``,
+providers ``tmoe.up[gluon]`` and ``tmoe.down[gluon]``). ``TMOE_GLUON=1`` or
+``override_engine("gluon")`` run both GEMMs on it; ``TMOE_GLUON=0`` or ``override_engine("tl")``
+neither."""
 from __future__ import annotations
 
 import contextlib
@@ -36,10 +38,14 @@ def _hopper(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def gluon_ready(device: torch.device) -> bool:
-    """The Gluon engine can run on ``device`` and is wanted (see the module docstring)."""
-    wanted = _OVERRIDE[-1] == "gluon" if _OVERRIDE else os.environ.get("TMOE_GLUON", "0") == "1"
-    if not wanted:
+DEFAULT_GEMMS = ("up", )  # the grouped GEMMs the engine runs unless told otherwise (measured faster)
+
+
+def gluon_ready(device: torch.device, gemm: str) -> bool:
+    """The Gluon engine can run on ``device`` and is wanted for grouped GEMM ``gemm`` ("up" or
+    "down"; see the module docstring)."""
+    asked = _OVERRIDE[-1] if _OVERRIDE else {"1": "gluon", "0": "tl"}.get(os.environ.get("TMOE_GLUON", ""))
+    if asked == "tl" or (asked is None and gemm not in DEFAULT_GEMMS):
         return False
     if INTERPRETED or device.type != "cuda":
         return False
