@@ -23,7 +23,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import tmoe
 from tmoe.kernels.moe_grad_act import grad_block_m
 from tmoe.modular.call import LayerArgs
-from tmoe.tools.bench_train import SHAPES, grouped_mm_layer, step_fn
+from tmoe.tools.bench_train import SHAPES
+from tmoe.tools.train_peers import grouped_mm_layer, step_fn
 from tmoe.tools.inputs import make_weights
 from tmoe.tools.results import git_commit
 from tmoe.tools.timing import measure_ceilings

@@ -35,6 +35,16 @@ def _default_spec(quant_config: FusedMoEQuantConfig) -> KernelSpec:
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def float32_router_weights(topk_weights: torch.Tensor) -> torch.Tensor:
+    """Router weights as the kernels read them: bfloat16/float16 ones (every transformers router
+    gives them in the model's dtype) cast to float32 once, exactly and differentiably (their
+    gradient flows back in their own dtype); any other value as given, for the checks to name."""
+    if isinstance(topk_weights, torch.Tensor) and topk_weights.dtype in _HALF_DTYPES:
+        return topk_weights.float()
+    return topk_weights
 
 
 def takes_op_path(args: LayerArgs) -> bool:
@@ -71,7 +81,8 @@ def run_layer_op(args: LayerArgs, spec_args: tuple, inplace: bool, save_preactiv
         torch.ops.tmoe.modular_forward_(*args, *spec_args)
         return args.hidden_states
     if needs_grad(args):  # before any launch: the composition and weights must have a backward
-        check_layer_inputs_trainable((*args, *spec_args))
+        if not torch.compiler.is_compiling():  # compiled: the op's autograd setup checks on fake tensors
+            check_layer_inputs_trainable((*args, *spec_args))
         if save_preactivation and spec_saves_preactivation(spec_args):
             return torch.ops.tmoe.modular_forward_train(*args, *spec_args)[0]
     return torch.ops.tmoe.modular_forward(*args, *spec_args)
@@ -99,7 +110,8 @@ def fused_experts(
             ``w1_scale``/``w2_scale``, or uint8 int4/int8/mxfp4 codes in vLLM's packed layouts
             (``FusedMoEQuantConfig(weight_dtype=...)``, group scales ``w1_scale``/``w2_scale``,
             optional zero points ``w1_zp``/``w2_zp``; README).
-        topk_weights: (M, topk) float32; topk_ids: (M, topk) int32/int64. Ids outside
+        topk_weights: (M, topk) float32, or bfloat16/float16 (a model's router; cast to float32
+            once, the gradient returned in their dtype); topk_ids: (M, topk) int32/int64. Ids outside
             [0, E) contribute exactly 0.
         inplace: write the result into ``hidden_states`` (refused if it requires grad).
         quant_config: ``tmoe.FusedMoEQuantConfig`` (fp8 or weight-only low-bit schemes); None: unquantized.
@@ -125,7 +137,7 @@ def fused_experts(
         >>> w, ids = torch.topk(torch.softmax(logits, -1), 2)
         >>> out = tmoe.fused_experts(x, w1, w2, w, ids.int())
     """
-    args = LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options)
+    args = LayerArgs(hidden_states, w1, w2, float32_router_weights(topk_weights), topk_ids, **options)
     quant_config = quant_config or _NO_QUANT
     if type(quant_config) is not FusedMoEQuantConfig:
         raise TypeError(f"quant_config must be a tmoe.FusedMoEQuantConfig (e.g. FusedMoEQuantConfig(torch.float8_e4m3fn)), "

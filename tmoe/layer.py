@@ -11,7 +11,7 @@ from torch import nn
 
 from tmoe.kernels.checks import FLOAT_DTYPES, boolean, positive_int
 from tmoe.kernels.activation import Activation
-from tmoe.fused import takes_op_path, run_layer, run_layer_op
+from tmoe.fused import float32_router_weights, takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
     ExpertParallel, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize,
     TritonExperts,
@@ -24,12 +24,13 @@ from tmoe.modular.kernel import default_chunk_size
 class FusedMoEModularKernel(nn.Module):
     """``prepare_finalize`` + ``fused_experts`` as one layer call.
 
-    forward(hidden_states (M, K), w1 (E, 2N, K), w2 (E, K, N), topk_weights (M, topk) float32,
-    topk_ids (M, topk) int32/int64, inplace=False, **options) -> (M, K), ``options`` the other
-    fields of ``tmoe.modular.LayerArgs`` (activation, global_num_experts, expert_map, scales,
-    biases, apply_router_weight_on_input, w1_zp/w2_zp). Runs as the custom op ``tmoe::modular_forward``, which
-    receives the kernel by value (``KernelSpec``); M is split in chunks of ``chunk_size`` tokens
-    (default ``TMOE_CHUNK_SIZE`` or 32768) when the experts support it, reusing one workspace.
+    forward(hidden_states (M, K), w1 (E, 2N, K), w2 (E, K, N), topk_weights (M, topk) float32
+    (bfloat16/float16: cast to float32 once), topk_ids (M, topk) int32/int64, inplace=False,
+    **options) -> (M, K), ``options`` the other fields of ``tmoe.modular.LayerArgs`` (activation,
+    global_num_experts, expert_map, scales, biases, apply_router_weight_on_input, w1_zp/w2_zp).
+    Runs as the custom op ``tmoe::modular_forward``, which receives the kernel by value
+    (``KernelSpec``); M is split in chunks of ``chunk_size`` tokens (default ``TMOE_CHUNK_SIZE``
+    or 32768) when the experts support it, reusing one workspace.
     ``save_preactivation``: training saves the up GEMM's pre-activation for the backward (as
     ``tmoe.fused_experts``' keyword; False: recompute it).
     """
@@ -45,7 +46,7 @@ class FusedMoEModularKernel(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, inplace: bool = False, **options) -> torch.Tensor:
-        args = LayerArgs(hidden_states, w1, w2, topk_weights, topk_ids, **options)
+        args = LayerArgs(hidden_states, w1, w2, float32_router_weights(topk_weights), topk_ids, **options)
         if takes_op_path(args):
             return run_layer_op(args, self._spec_args, inplace, self.save_preactivation)
         return run_layer(args, self.spec, inplace)

@@ -204,7 +204,6 @@ ROWS = [
     Row("topk_ids-rows", _fe(topk_ids=lambda p: p.topk_ids[:-1]), ValueError, "topk_ids must be"),
     Row("topk_ids-noncontiguous", _fe(topk_ids=lambda p: p.topk_ids.t().contiguous().t()), ValueError,
         "topk_ids must be contiguous"),
-    Row("topk_weights-fp16", _fe(topk_weights=lambda p: p.topk_weights.half()), TypeError, "topk_weights"),
     Row("topk_weights-shape", _fe(topk_weights=lambda p: p.topk_weights[:, :1].contiguous()), ValueError,
         "topk_weights must have shape"),
     Row("activation-unknown", _fe(activation="relu"), ValueError, "activation must be one of"),

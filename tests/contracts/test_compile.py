@@ -52,6 +52,15 @@ def test_fused_experts_compiles_once():
                  torch.float32)
 
 
+def test_bfloat16_router_weights_compile():
+    """A model's bf16 router weights: the compiled layer (cast, op and fake) equals eager on their float32 cast."""
+    p = make_problem(MoEShape(6, 4, 64, 48, 2), torch.float32, "uniform", seed=4, device=DEVICE)
+    half = p.topk_weights.to(torch.bfloat16)
+    torch._dynamo.reset()
+    out = torch.compile(tmoe.fused_experts, fullgraph=True)(p.x, p.w1, p.w2, half, p.topk_ids)
+    assert torch.equal(out, tmoe.fused_experts(p.x, p.w1, p.w2, half.float(), p.topk_ids))
+
+
 @pytest.mark.parametrize("fmt", ["standard", "batched"])
 def test_two_layer_model_compiles_once(fmt):
     e, n, k, topk = 4, 64, 64, 3  # topk != 2 = the first M (duck sizing)

@@ -140,14 +140,88 @@ def test_quantized_weights_that_require_grad_refused(monkeypatch):
         tmoe.fused_experts(x, w1q.requires_grad_(), w2q, tw, ids, **kw)
 
 
-def test_frozen_quantized_experts_run_forward_and_refuse_backward():
-    """Inference with grad mode on (a trainable router in front) runs; asking for gradients says why not."""
-    (x, w1q, w2q, tw, ids), kw = _fp8_layer_inputs()
-    out = tmoe.fused_experts(x, w1q, w2q, tw, ids, **kw)
-    with torch.no_grad():
-        assert_close(out, tmoe.fused_experts(x, w1q, w2q, tw, ids, **kw), TOL)
-    with pytest.raises(NotImplementedError, match=r"frozen quantized experts \(float8_e4m3fn\) are not supported"):
-        out.sum().backward()
+def _frozen_quantized(scheme: str):
+    """(layer inputs, options) of frozen ``scheme`` experts: fp8 per channel, or int4/int8/mxfp4 codes (group 32)."""
+    if scheme == "fp8":
+        return _fp8_layer_inputs()
+    x, w1, w2, tw, ids = _layer_inputs()
+    if scheme == "mxfp4":
+        (q1, s1), (q2, s2) = tmoe.quantize_weight_mxfp4(w1), tmoe.quantize_weight_mxfp4(w2)
+    else:
+        quantize = tmoe.quantize_weight_int4 if scheme == "int4" else tmoe.quantize_weight_int8
+        (q1, s1, _), (q2, s2, _) = quantize(w1, 32), quantize(w2, 32)
+    qc = tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=32)
+    return (x, q1, q2, tw, ids), dict(quant_config=qc, w1_scale=s1, w2_scale=s2)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int4", "int8", "mxfp4"])
+def test_frozen_quantized_experts_refused_when_the_forward_records(scheme, monkeypatch):
+    """Frozen experts in a scheme the backward cannot dequantize, x requiring grad (a trainable
+    layer in front): refused at the forward, before any launch, not at backward() after it ran."""
+    (x, w1q, w2q, tw, ids), kw = _frozen_quantized(scheme)
+    name = "float8_e4m3fn" if scheme == "fp8" else scheme
+    _no_launch(monkeypatch)
+    with pytest.raises(NotImplementedError, match=rf"frozen quantized experts \({name}\) are not supported"):
+        tmoe.fused_experts(x, w1q, w2q, tw, ids, **kw)
+    monkeypatch.undo()
+    with torch.no_grad():  # inference runs
+        assert tmoe.fused_experts(x, w1q, w2q, tw, ids, **kw).shape == x.shape
+
+
+@pytest.mark.parametrize("name", ["w1_scale", "w2_scale"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x-grad", "only-the-scale"])
+def test_scale_that_requires_grad_refused(name, x_grad, monkeypatch):
+    """Frozen block-fp8 experts (trainable) with a weight scale that requires grad: the backward
+    gives scales no gradient, so the call is refused at the forward instead of leaving .grad None."""
+    x, w1, w2, tw, ids = _layer_inputs()
+    w1q, s1 = tmoe.quantize_weight_per_block_fp8(w1, (32, 32))
+    w2q, s2 = tmoe.quantize_weight_per_block_fp8(w2, (32, 32))
+    scales = {"w1_scale": s1, "w2_scale": s2}
+    scales[name].requires_grad_()
+    qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(32, 32))
+    _no_launch(monkeypatch)
+    with pytest.raises(ValueError, match=f"{name} requires grad, but the layer's backward gives scales"):
+        tmoe.fused_experts(x.requires_grad_(x_grad), w1q, w2q, tw, ids, quant_config=qc, **scales)
+
+
+def test_double_backward_refused():
+    """create_graph=True (a gradient penalty): tmoe says its backward is not differentiable."""
+    x, w1, w2, tw, ids = _layer_inputs()
+    out = tmoe.fused_experts(x, w1, w2, tw, ids)
+    with pytest.raises(NotImplementedError, match=r"create_graph=True \(double backward"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+
+
+def _compiled_wrong_shape():
+    x, w1, w2, tw, ids = _layer_inputs()
+    return torch.compile(tmoe.fused_experts, fullgraph=True)(x.detach(), w1, w2[:, :-1], tw, ids)
+
+
+def _compiled_batched_with_grad():
+    layer = tmoe.FusedMoEModularKernel(tmoe.BatchedPrepareAndFinalize(16, 4), tmoe.BatchedTritonExperts(16))
+    return torch.compile(layer, fullgraph=True)(*_layer_inputs())
+
+
+def _compiled_frozen_int4():
+    (x, w1q, w2q, tw, ids), kw = _frozen_quantized("int4")
+    return torch.compile(lambda *a: tmoe.fused_experts(*a, **kw), fullgraph=True)(x, w1q, w2q, tw, ids)
+
+
+@pytest.mark.parametrize("call, match", [
+    (_compiled_wrong_shape, r"^w2 must have shape \(4, 64, 64\), got \(4, 63, 64\)"),
+    (_compiled_batched_with_grad, r"^the 'batched' PrepareAndFinalize with 'batched_triton' experts has no backward"),
+    (_compiled_frozen_int4, r"^gradients through frozen quantized experts \(int4\)"),
+], ids=["fake-check", "no-backward", "frozen-int4"])
+def test_compiled_refusals_end_in_tmoe_message(call, match, monkeypatch):
+    """Under torch.compile(fullgraph=True) the user reads tmoe's error, not dynamo's "Observed
+    exception" or "Dynamo failed to run FX node" with the message inside: the checks run in the
+    op's fake and autograd setup, whose errors dynamo re-raises as they are."""
+    torch._dynamo.reset()
+    _no_launch(monkeypatch)
+    with pytest.raises(ValueError, match=match) as raised:
+        call()
+    assert not isinstance(raised.value, torch._dynamo.exc.TorchDynamoException)
+    assert "Observed exception" not in str(raised.value) and "Dynamo failed" not in str(raised.value)
 
 
 def test_inplace_refused_with_grad():

@@ -178,6 +178,29 @@ def test_gradients_are_bitwise_reproducible():
         assert torch.equal(first[name], second[name]), f"d{name} differs between two runs"
 
 
+@pytest.mark.parametrize("router_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layer", ["fused_experts", "modular_kernel"])
+def test_half_router_weights_act_as_their_float32_cast(router_dtype, layer):
+    """A transformers router gives topk_weights in the model's dtype: taken as their exact float32
+    cast, so the output and every gradient are bitwise those of the float32 weights, and the
+    router weights' gradient comes back in their own dtype (the cast's gradient)."""
+    fn = tmoe.fused_experts if layer == "fused_experts" else tmoe.FusedMoEModularKernel(
+        tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts())
+    inputs = _inputs(Case("half-router", m=9, bias=True))
+    half = inputs["topk_weights"].detach().to(router_dtype).requires_grad_()
+    as_float = half.detach().float().requires_grad_()
+    grad_out = torch.randn(9, 40, device=DEVICE)
+    grads = layer_grads(fn, {**inputs, "topk_weights": half}, grad_out)
+    want = layer_grads(fn, {**inputs, "topk_weights": as_float}, grad_out)
+    assert grads["topk_weights"].dtype == router_dtype
+    assert torch.equal(grads["topk_weights"], want["topk_weights"].to(router_dtype))
+    for name in ("hidden_states", "w1", "w2", "w1_bias", "w2_bias"):
+        assert torch.equal(grads[name], want[name]), f"d{name} differs from the float32 weights'"
+    with torch.no_grad():
+        out = fn(inputs["hidden_states"], inputs["w1"], inputs["w2"], half, inputs["topk_ids"])
+        assert torch.equal(out, fn(inputs["hidden_states"], inputs["w1"], inputs["w2"], as_float, inputs["topk_ids"]))
+
+
 def test_frozen_experts_skip_weight_gradients(monkeypatch):
     """LoRA-style: w1/w2 frozen, so the weight-gradient op never runs; x and the router weights still get theirs."""
     import tmoe.ops.backward as backward_ops

@@ -2,6 +2,7 @@
 interpreter, peers that need CUDA reported in their cell; on a GPU host on the GPU) and writes its
 table and CSV."""
 import csv
+from pathlib import Path
 
 import torch
 
@@ -9,7 +10,7 @@ from tmoe.tools import bench_train
 
 
 def test_bench_train_tiny_writes_table_and_csv(tmp_path, capsys):
-    assert bench_train.main(["--tiny", "--providers", "tmoe,grouped_mm,liger", "--out", str(tmp_path),
+    assert bench_train.main(["--tiny", "--providers", "tmoe,grouped_mm,liger", "--csv", str(tmp_path / "bench_train.csv"),
                              "--rep-ms", "5", "--commit", "test"]) == 0
     printed = capsys.readouterr().out
     assert "| shape | M | provider | fwd+bwd ms |" in printed
@@ -26,3 +27,15 @@ def test_bench_train_tiny_writes_table_and_csv(tmp_path, capsys):
     for r in rows:
         if r["provider"] == "grouped_mm" and r["max_rel_err"] != "n/a":  # _grouped_mm may lack a CPU kernel
             assert float(r["max_rel_err"]) < 5e-2
+
+
+def test_bench_train_without_csv_writes_nothing(tmp_path, monkeypatch, capsys):
+    """No --csv: the table is printed and no file is written, neither in the working directory nor
+    in a checkout's tracked bench/results."""
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    before = {p: p.stat().st_mtime_ns for p in results.iterdir()} if results.is_dir() else {}
+    monkeypatch.chdir(tmp_path)
+    assert bench_train.main(["--tiny", "--providers", "tmoe", "--rep-ms", "5", "--commit", "test"]) == 0
+    assert "| shape | M | provider | fwd+bwd ms |" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    assert ({p: p.stat().st_mtime_ns for p in results.iterdir()} if results.is_dir() else {}) == before

@@ -8,7 +8,7 @@ import torch
 
 import tmoe
 from tmoe.tools import bench as bm
-from tmoe.tools import inputs, peers, results, timing
+from tmoe.tools import inputs, peers, results, stage_calls, timing
 from tmoe.reference import moe_reference
 from tmoe.testing.tolerance import rel_error
 
@@ -113,9 +113,10 @@ def test_parse_args():
     assert [s.name for s in a.shapes] == ["mixtral", "qwen3", "deepseek"] and a.ms == list(bm.DEFAULT_MS)
     assert a.dtype == "bf16" and a.loop_max_m == 1024 and a.providers == bm.PROVIDERS
     assert bm.parse_args(["--quick"]).ms == list(bm.QUICK_MS)
-    a = bm.parse_args(["--shapes", "qwen3", "--ms", "1,8", "--dtype", "fp8_block", "--out", "/tmp/x", "--stages"])
+    a = bm.parse_args(["--shapes", "qwen3", "--ms", "1,8", "--dtype", "fp8_block", "--out", "/tmp/x", "--csv",
+                       "/tmp/x/rows.csv", "--stages"])
     assert [s.name for s in a.shapes] == ["qwen3"] and a.ms == [1, 8] and a.dtype == "fp8_block"
-    assert str(a.out) == "/tmp/x" and a.stages
+    assert str(a.out) == "/tmp/x" and str(a.csv) == "/tmp/x/rows.csv" and a.stages
     assert bm.parse_args(["--providers", "scaled_grouped_mm"]).providers == ("scaled_grouped_mm",)
     for bad in (["--shapes", "llama"], ["--providers", "cublas"], ["--dtype", "fp4"]):
         with pytest.raises(SystemExit):
@@ -300,8 +301,8 @@ def test_fp8_stage_calls_chain_to_the_layer(mode):
     (w1q, s1), (w2q, s2) = peers.quantize_fp8(w1.bfloat16(), mode), peers.quantize_fp8(w2.bfloat16(), mode)
     weights, ids = torch.topk(torch.randn(m, e).softmax(-1), topk)
     r = inputs.RoutedInputs(torch.randn(m, k, dtype=torch.bfloat16), weights, ids.int())
-    calls = peers.stage_calls(w1q, w2q, [r], 16, mode, s1, s2)
-    assert tuple(calls) == peers.FP8_STAGES and all(len(c) == 1 for c in calls.values())
+    calls = stage_calls.stage_calls(w1q, w2q, [r], 16, mode, s1, s2)
+    assert tuple(calls) == stage_calls.FP8_STAGES and all(len(c) == 1 for c in calls.values())
     out = calls["reduce"][0]()
     block = (128, 128) if mode == "fp8_block" else None
     ref = moe_reference(r.x.float(), dequantize_fp8_reference(w1q, s1, block), dequantize_fp8_reference(w2q, s2, block),
@@ -325,19 +326,19 @@ def test_grouped_stage_calls_chain_to_the_layer(mode):
     (w1q, s1), (w2q, s2) = (peers.quantize_fp8(w1, mode), peers.quantize_fp8(w2, mode)) if fp8 else ((w1, None),
                                                                                                      (w2, None))
     with tmoe.override_route("grouped"):
-        assert peers.takes_grouped_route(w1q, w2q, m, topk, mode)
-        calls = peers.grouped_stage_calls(w1q, w2q, [r], mode, s1, s2)
+        assert stage_calls.takes_grouped_route(w1q, w2q, m, topk, mode)
+        calls = stage_calls.grouped_stage_calls(w1q, w2q, [r], mode, s1, s2)
         layer = (peers.fp8_provider(w1, w2, mode).fn(r) if fp8 else
                  tmoe.fused_experts(r.x, w1, w2, r.topk_weights, r.topk_ids))
-    stages = [s for s in peers.STAGE_ORDER if fp8 or "quant" not in s]
+    stages = [s for s in stage_calls.STAGE_ORDER if fp8 or "quant" not in s]
     assert tuple(calls) == tuple(stages)
     for stage in stages[:-1]:
         calls[stage][0]()
     torch.testing.assert_close(calls["reduce"][0](), layer, rtol=0, atol=0)
     if peer:
-        gemms = peers.peer_gemm_calls(w1, w2, [r], mode)
+        gemms = stage_calls.peer_gemm_calls(w1, w2, [r], mode)
         assert tuple(gemms) == ("grouped_mm.up", "grouped_mm.down")
-        _, token, _ = peers._sort_by_expert(r.topk_ids, e)
+        _, token, _ = peers.sort_by_expert(r.topk_ids, e)
         order = torch.argsort(r.topk_ids.reshape(-1), stable=True)
         gemms["grouped_mm.up"][0]()
         y = gemms["grouped_mm.down"][0]().float() * r.topk_weights.reshape(-1)[order, None]

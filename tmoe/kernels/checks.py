@@ -1,7 +1,8 @@
 """Input checks that run before any kernel launch and name the offending argument."""
 from __future__ import annotations
 
-from typing import Iterable
+import functools
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
@@ -77,3 +78,43 @@ def check_router_weights(topk_weights: object, tokens: int | None, device: torch
     check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), ndim=2, device=device, contiguous=True)
     if tokens is not None and topk_weights.shape[0] != tokens:
         raise ValueError(f"topk_weights must have one row per token ({tokens}), got shape {tuple(topk_weights.shape)}")
+
+
+class CompiledTypeError(TypeError, IndexError):
+    """A TypeError of tmoe's checks raised while torch.compile traces (``compile_visible``)."""
+
+
+class CompiledValueError(ValueError, IndexError):
+    """A ValueError of tmoe's checks raised while torch.compile traces (``compile_visible``)."""
+
+
+class CompiledNotImplementedError(ValueError, IndexError):
+    """A NotImplementedError of tmoe's checks (no backward for this call) raised while torch.compile
+    traces: a ValueError there, since dynamo turns a NotImplementedError from a fake into a graph break."""
+
+
+_COMPILED = ((NotImplementedError, CompiledNotImplementedError), (TypeError, CompiledTypeError),
+             (ValueError, CompiledValueError))
+F = TypeVar("F", bound=Callable)
+
+
+def compile_visible(fn: F) -> F:
+    """``fn`` (an op's fake or autograd setup: what torch.compile runs on fake tensors as it traces)
+    with its TypeError, ValueError and NotImplementedError re-raised while tracing as the
+    ``Compiled*Error`` of that type, same message. They are also IndexErrors, the one exception
+    dynamo re-raises from a fake as it is (torch 2.13, ``torch._dynamo.utils.run_node``); any other
+    it wraps in a TorchRuntimeError or a graph break whose text buries tmoe's message in a repr of
+    every argument. So the user's traceback ends in tmoe's message. Outside tracing (eager, a
+    direct op call) the errors pass unchanged."""
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (TypeError, ValueError, NotImplementedError) as err:
+            if isinstance(err, IndexError) or torch._guards.TracingContext.try_get() is None:
+                raise
+            compiled = next(c for base, c in _COMPILED if isinstance(err, base))
+            raise compiled(*err.args).with_traceback(err.__traceback__) from None
+
+    return checked  # type: ignore[return-value]

@@ -12,6 +12,16 @@ from tmoe.kernels.checks import (
 )
 
 
+def check_first_order() -> None:
+    """A backward run with grad mode on is a double backward (``create_graph=True``: gradient
+    penalties, Hessian-vector products); tmoe's backward ops have no backward of their own."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError("tmoe's MoE backward is not differentiable: create_graph=True (double backward, "
+                                  "e.g. a gradient penalty or a Hessian-vector product) is not supported; "
+                                  "differentiate once, or use the float32 reference tmoe.reference.moe_reference "
+                                  "for higher-order gradients")
+
+
 def check_grad_act(
     grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,

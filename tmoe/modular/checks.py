@@ -180,13 +180,31 @@ def check_no_grad_inplace(hidden_states: torch.Tensor) -> None:
 
 # the (PrepareAndFinalize, experts) kinds with a backward
 TRAINABLE_PARTS = (("noep", "triton"), ("allgather", "triton"), ("alltoall", "batched_triton"))
-DIFFERENTIABLE = ("hidden_states", "w1", "w2", "topk_weights", "w1_bias", "w2_bias")
+# the layer's float inputs its backward gives no gradient: weight and activation scales
+NO_GRADIENT = ("w1_scale", "w2_scale", "a1_scale", "a2_scale", "w1_zp", "w2_zp")
 
 
 def needs_grad(args: LayerArgs) -> bool:
-    """Autograd would record this call: grad mode is on and a differentiable input requires grad."""
-    return torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (getattr(args, name) for name in DIFFERENTIABLE))
+    """Autograd would record this call: grad mode is on and an input tensor requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args)
+
+
+def check_recorded_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
+    """A call autograd records, refused before any launch when its backward would be wrong or
+    fail: a scale or zero point that requires grad (the backward gives them none, so it would stay
+    None without a word); frozen quantized experts other than block fp8 (the only scheme the
+    backward dequantizes)."""
+    for name in NO_GRADIENT:
+        t = getattr(args, name)
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name} requires grad, but the layer's backward gives scales and zero points no "
+                             f"gradient (its .grad would stay None): pass {name}.detach()")
+    if quant.weight_dtype is not None or (quant.quant_dtype is not None and quant.block_shape is None):
+        scheme = quant.weight_dtype or str(quant.quant_dtype).removeprefix("torch.")
+        raise NotImplementedError(f"gradients through frozen quantized experts ({scheme}) are not supported yet "
+                                  "(block fp8 is), and this call records autograd (an input requires grad): run "
+                                  "the quantized layer under torch.no_grad() or torch.inference_mode(), or train "
+                                  "float experts")
 
 
 def check_trainable(args: LayerArgs, prepare_finalize: str, experts: str, quant_dtype: str | None,

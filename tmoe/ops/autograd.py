@@ -7,11 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch._library.custom_ops import CustomOpDef
 
+from tmoe.kernels.checks import compile_visible
 from tmoe.kernels.gemm_args import stored_transposed
+from tmoe.kernels.grad_checks import check_first_order
 from tmoe.kernels.moe_grad_act import grad_block_m
 from tmoe.modular.alltoall import kept_slot_ids
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_trainable, saves_preactivation
+from tmoe.modular.checks import check_recorded_call, check_trainable, saves_preactivation
+from tmoe.modular.kernel import KernelSpec
 from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_*)
 
 _NUM_LAYER_ARGS = len(LayerArgs._fields)
@@ -36,6 +39,7 @@ def check_layer_inputs_trainable(inputs: tuple) -> None:
     spec = inputs[_NUM_LAYER_ARGS:]
     check_trainable(LayerArgs(*inputs[:_NUM_LAYER_ARGS]), spec[_PF], spec[_EXPERTS], spec[_QUANT_DTYPE],
                     spec[_WEIGHT_DTYPE])
+    check_recorded_call(LayerArgs(*inputs[:_NUM_LAYER_ARGS]), KernelSpec.from_args(*spec).quant)
 
 
 def spec_saves_preactivation(spec_args: tuple) -> bool:
@@ -76,6 +80,7 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     activation's derivative fused (the pre-activation read from the forward's save, else recomputed
     from x), then the input and weight GEMMs. Weight gradients run only for weights that require
     grad (frozen experts skip them)."""
+    check_first_order()
     if ctx.scheme is not None and ctx.block_shape is None:
         raise NotImplementedError(f"gradients through frozen quantized experts ({ctx.scheme}) are not supported yet "
                                   "(block fp8 is): run the quantized layer under torch.no_grad(), or train float experts")
@@ -145,7 +150,7 @@ def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: b
 def register_layer_autograd(op: CustomOpDef) -> None:
     """The layer op's backward (``LayerArgs`` differentiable in hidden_states, w1, w2,
     topk_weights, w1_bias, w2_bias)."""
-    op.register_autograd(_layer_backward, setup_context=_layer_setup)
+    op.register_autograd(_layer_backward, setup_context=compile_visible(_layer_setup))
 
 
 def _train_backward(ctx, grad_out: torch.Tensor, grad_preact: torch.Tensor | None) -> tuple:
@@ -155,7 +160,7 @@ def _train_backward(ctx, grad_out: torch.Tensor, grad_preact: torch.Tensor | Non
 def register_train_autograd(op: CustomOpDef) -> None:
     """The backward of ``tmoe::modular_forward_train``: the layer's, reading the saved
     pre-activation (the op's second output, not differentiable)."""
-    op.register_autograd(_train_backward, setup_context=_train_setup)
+    op.register_autograd(_train_backward, setup_context=compile_visible(_train_setup))
 
 
 def _router_setup(ctx, inputs: tuple, output: tuple) -> None:
@@ -165,6 +170,7 @@ def _router_setup(ctx, inputs: tuple, output: tuple) -> None:
 
 
 def _router_backward(ctx, grad_weights: torch.Tensor, grad_ids: torch.Tensor | None) -> tuple:
+    check_first_order()
     router_logits, topk_ids = ctx.saved_tensors
     scoring, renormalize, scaling = ctx.options
     grad = torch.ops.tmoe.topk_route_grad(grad_weights.contiguous(), router_logits, topk_ids, scoring, renormalize,

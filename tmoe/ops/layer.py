@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tmoe.kernels.checks import compile_visible
 from tmoe.modular.call import LayerArgs, layer_schema
 from tmoe.modular.checks import check_layer_call, check_no_overlap, saves_preactivation
 from tmoe.modular.kernel import SPEC_SCHEMA, KernelSpec, build
@@ -31,6 +32,7 @@ def modular_forward(*args) -> torch.Tensor:
 
 
 @modular_forward.register_fake
+@compile_visible
 def _(*args):
     call, spec = _split(args)
     check_layer_call(call, spec.quant)
@@ -59,6 +61,7 @@ def modular_forward_train(*args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @modular_forward_train.register_fake
+@compile_visible
 def _(*args):
     call, spec = _split(args)
     check_layer_call(call, spec.quant)
@@ -75,6 +78,7 @@ def modular_forward_(*args) -> None:
 
 
 @modular_forward_.register_fake
+@compile_visible
 def _(*args):
     call, spec = _split(args)
     check_layer_call(call, spec.quant)

@@ -4,9 +4,12 @@ per-expert loop in bf16, a ``torch._scaled_grouped_mm`` MoE (row-wise scales) in
 floor = max(bytes / copy bandwidth, flops / matmul rate), both ceilings measured at the start of
 the run, with bytes = 3NK weights of every touched expert + x read and output written (M*K
 each) and flops = 2 * M * topk * 3NK; fraction = floor / measured time (the graph replay when
-captured, else eager). Results: a Markdown table on stdout, rows appended to
-``<out>/bench_moe.csv`` as they are measured, ``<out>/<date>_<gpu>.md`` and
-``<out>/roofline.png`` (fp8 modes add a ``_<dtype>`` suffix to the last two). Weight-only low-bit
+captured, else eager). Results: a line per row as it is measured and a Markdown table on stdout;
+with ``--csv PATH`` the rows are appended to PATH as they are measured (keyed by GPU, versions and
+commit), with ``--out DIR`` the report ``<date>_<gpu>.md`` and the plot ``roofline.png`` are
+written into DIR (fp8 and low-bit modes add a ``_<dtype>`` suffix to both). Nothing is written
+without them; recording a run in the repository: ``--csv bench/results/bench_moe.csv --out
+bench/results``. Weight-only low-bit
 modes (``--dtype int4|int8|mxfp4``, ``tmoe.tools.low_bit``) count the scheme's weight bytes
 (codes, scales, zero points) against the bf16 matmul rate, with the bf16 tmoe layer beside them.
 """
@@ -25,7 +28,7 @@ import torch
 
 import tmoe
 from tmoe.config import ROUTES as LAYER_ROUTES
-from tmoe.tools import peers, timing
+from tmoe.tools import peers, stage_calls, timing
 from tmoe.tools.inputs import SHAPES, RoutedInputs, Shape, make_inputs, make_weights
 from tmoe.tools.low_bit import LOW_BIT_DTYPES, value_bytes
 from tmoe.tools.results import Env, Measurement, Row, append_csv, git_commit, markdown_table, row_cells, write_plot
@@ -106,28 +109,28 @@ def bench_stages(s: Shape, m: int, weights: tuple[torch.Tensor | None, ...], set
                  touched: float, args: argparse.Namespace, ceil: timing.Ceilings, t0: float) -> Iterator[Row]:
     """Rows ``tmoe.<stage>``: each stage op timed alone on the route and block_m the layer uses;
     ``weights`` (w1, w1_scale, w2, w2_scale): bf16 with None scales, or the fp8 modes' codes and
-    scales. Then, where the run has the peer of ``peers.GEMM_PEERS``, its two GEMMs alone on the
-    same tokens (``<peer>.up``, ``<peer>.down``: ``peers.peer_gemm_calls``)."""
+    scales. Then, where the run has the peer of ``stage_calls.GEMM_PEERS``, its two GEMMs alone on the
+    same tokens (``<peer>.up``, ``<peer>.down``: ``stage_calls.peer_gemm_calls``)."""
     fp8 = args.dtype != "bf16"
     w1, w1_scale, w2, w2_scale = weights
     block_shape = (128, 128) if args.dtype == "fp8_block" else None
     try:
-        if peers.takes_grouped_route(w1, w2, m, s.topk, args.dtype):
-            calls = peers.grouped_stage_calls(w1, w2, sets, args.dtype, w1_scale, w2_scale)
+        if stage_calls.takes_grouped_route(w1, w2, m, s.topk, args.dtype):
+            calls = stage_calls.grouped_stage_calls(w1, w2, sets, args.dtype, w1_scale, w2_scale)
         else:
             block_m = tmoe.get_config(m, s.e, s.n, s.k, s.topk, w1.device, quant="fp8_w8a8" if fp8 else None,
                                       block_shape=block_shape).block_m
-            calls = peers.stage_calls(w1, w2, sets, block_m, args.dtype, w1_scale, w2_scale)
-        if peers.GEMM_PEERS.get(args.dtype) in args.providers:
-            calls |= peers.peer_gemm_calls(w1, w2, sets, args.dtype, w1_scale, w2_scale)
+            calls = stage_calls.stage_calls(w1, w2, sets, block_m, args.dtype, w1_scale, w2_scale)
+        if stage_calls.GEMM_PEERS.get(args.dtype) in args.providers:
+            calls |= stage_calls.peer_gemm_calls(w1, w2, sets, args.dtype, w1_scale, w2_scale)
     except Exception as err:  # noqa: BLE001
         print(f"    stages failed: {type(err).__name__}: {err}", flush=True)
         return
-    for stage, stage_calls in calls.items():
+    for stage, calls_of_stage in calls.items():
         provider = stage if "." in stage else f"tmoe.{stage}"
         nbytes, flops = stage_traffic(stage.rsplit(".", 1)[-1], s, m, touched, value_bytes(args.dtype), 1 if fp8 else 2)
         floor = floor_us(nbytes, flops, ceil.copy_bw, ceil.rate(args.dtype))
-        graph, eager = _time_both(stage_calls, False, args)
+        graph, eager = _time_both(calls_of_stage, False, args)
         yield _report(Row(s, args.dtype, m, provider, graph, eager, floor, nbytes, flops, touched), t0)
 
 
@@ -162,11 +165,15 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: tim
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench_moe", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tmoe bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="mixtral,qwen3,deepseek", help=f"comma list of {','.join(SHAPES)}")
     p.add_argument("--ms", default=None, help="comma list of token counts (default %s)" % ",".join(map(str, DEFAULT_MS)))
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="results directory")
+    p.add_argument("--csv", type=Path, default=None, metavar="PATH",
+                   help="append each row to this CSV as it is measured (default: none, the rows are printed; "
+                        "a developer recording a run passes bench/results/bench_moe.csv)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="also write the Markdown report and the roofline plot into DIR (default: none)")
     p.add_argument("--quick", action="store_true", help="M in %s only" % ",".join(map(str, QUICK_MS)))
     p.add_argument("--providers", default=",".join(PROVIDERS),
                    help="comma list of tmoe,grouped_mm,loop (bf16) and tmoe,scaled_grouped_mm (fp8)")
@@ -193,10 +200,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point (``python bench/bench_moe.py``); returns the exit status."""
+    """CLI entry point (``python -m tmoe bench``); returns the exit status."""
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_moe needs a CUDA device", flush=True)
+        print("python -m tmoe bench needs a CUDA device", flush=True)
         return 1
     import triton
 
@@ -209,21 +216,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ceil = timing.measure_ceilings(with_fp8=args.dtype.startswith("fp8"))
     ceil_text = ceil.describe()
     print(f"# ceilings: {ceil_text}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    for path in (args.csv.parent if args.csv else None, args.out):
+        if path is not None:
+            path.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.dtype == "bf16" else f"_{args.dtype}"
-    md = args.out / f"{now:%Y-%m-%d}_{re.sub(r'[^A-Za-z0-9.-]+', '_', env.gpu)}{suffix}.md"
     rows: list[Row] = []
     for shape in args.shapes:
         try:
             for row in bench_shape(shape, [m for m in args.ms if m <= shape.max_m], args, ceil, t0):
                 rows.append(row)
-                append_csv(args.out / "bench_moe.csv", [row], env)  # written as measured: a cut-off run keeps them
+                if args.csv:
+                    append_csv(args.csv, [row], env)  # written as measured: a cut-off run keeps them
         except Exception as err:  # noqa: BLE001  (e.g. out of memory for one shape's weights)
             print(f"# {shape.name} stopped: {type(err).__name__}: {err}", flush=True)
             torch.cuda.empty_cache()
-        md.write_text(f"# tmoe bench_moe, {args.dtype}\n\n{env.gpu}, torch {env.torch}, triton {env.triton}, "
-                      f"commit {env.commit}, {env.date}\n\nCeilings: {ceil_text}\n\n{markdown_table(rows)}")
-        write_plot(args.out / f"roofline{suffix}.png", [r for r in rows if "." not in r.provider])
+        if args.out:
+            md = args.out / f"{now:%Y-%m-%d}_{re.sub(r'[^A-Za-z0-9.-]+', '_', env.gpu)}{suffix}.md"
+            md.write_text(f"# tmoe bench_moe, {args.dtype}\n\n{env.gpu}, torch {env.torch}, triton {env.triton}, "
+                          f"commit {env.commit}, {env.date}\n\nCeilings: {ceil_text}\n\n{markdown_table(rows)}")
+            write_plot(args.out / f"roofline{suffix}.png", [r for r in rows if "." not in r.provider])
     print("\n" + markdown_table(rows), flush=True)
-    print(f"# wrote {args.out} in {time.perf_counter() - t0:.0f} s", flush=True)
+    written = ", ".join(str(p) for p in (args.csv, args.out) if p) or "nothing (no --csv, no --out)"
+    print(f"# wrote {written} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0

@@ -4,7 +4,8 @@ Training: one decoder layer at Qwen3-30B-A3B's and GPT-OSS-20B's sizes (bf16, ``
 forward + backward + AdamW step, median ms and peak memory, for each ``experts_implementation``.
 Inference: ``generate`` with a static cache under torch.compile, ms per new token, for a 2-layer
 model at Qwen3-30B-A3B's sizes ("tmoe" with CUDA graphs; "grouped_mm", which cannot be captured,
-with max-autotune-no-cudagraphs). Rows go to ``bench/results/bench_hf.csv``, keyed by GPU, versions and commit.
+with max-autotune-no-cudagraphs). Each row is printed as it is measured; ``--csv PATH`` also appends it
+to PATH, keyed by GPU, versions and commit (a developer recording a run passes ``bench/results/bench_hf.csv``).
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def generate_ms(implementation: str, batch: int, new_tokens: int, tiny: bool, de
     return _median_ms(run, 1 if tiny else 3) / new_tokens
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tmoe bench-hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run of the script)")
     p.add_argument("--tokens", type=int, default=None, help="rows per sequence of the training step (4096; 16 with --tiny)")
@@ -119,26 +120,36 @@ def main(argv: list[str]) -> int:
                    help="the training rows' models (default: both)")
     p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=IMPLEMENTATIONS,
                    help="the training rows' experts implementations (generate compares tmoe and grouped_mm)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/bench_hf.csv"))
+    p.add_argument("--csv", type=Path, default=None, metavar="PATH",
+                   help="append each row to this CSV as measured (default: none, the rows are printed; a developer "
+                        "recording a run passes bench/results/bench_hf.csv)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
     defaults = (16, 2, 4) if args.tiny else (4096, 4, 64)
     args.tokens, args.batch, args.new_tokens = (given if given is not None else default for given, default in
                                                 zip((args.tokens, args.batch, args.new_tokens), defaults))
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     head = [datetime.datetime.now().isoformat(timespec="seconds"), gpu, torch.__version__, triton.__version__,
             transformers.__version__, args.commit or git_commit()]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.csv:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
 
     def record(row: list) -> None:  # each row as it is measured: a run cut short keeps what it measured
-        new = not args.out.exists()
-        with args.out.open("a", newline="") as f:
+        print(*row, flush=True)
+        if not args.csv:
+            return
+        new = not args.csv.exists()
+        with args.csv.open("a", newline="") as f:
             w = csv.writer(f)
             if new:
                 w.writerow(FIELDS)
             w.writerow(head + row)
-        print(*row, flush=True)
 
     if args.skip != "train":
         for name in args.models:

@@ -15,13 +15,14 @@ grad_out and dx once. fraction = floor / time. Each peer's output and gradients 
 against tmoe's once per cell (max relative-norm error; > 5e-2 is flagged "DISAGREES").
 Liger's kernels autotune per shape (~200 compiles each); by default they are pinned to one config
 (``LIGER_FUSED_MOE_AUTOTUNE=0``, row "liger[pinned]"), ``--liger-autotune`` lets them tune ("liger").
+Each provider's layer and step are in ``train_peers.py``. Results: the table on stdout; ``--csv
+PATH`` also appends the rows to PATH as each cell is measured, keyed by GPU, versions and commit.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import datetime
-import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -29,8 +30,8 @@ from typing import Callable, Sequence
 import torch
 
 from tmoe.tools.bench import count_touched
-from tmoe.tools import peers
 from tmoe.tools.inputs import Shape, make_weights
+from tmoe.tools.train_peers import make_layer, provider_name, step_fn
 from tmoe.tools.results import Env, git_commit
 from tmoe.tools.timing import measure_ceilings, peak_mib, time_graph, time_ms
 
@@ -53,9 +54,6 @@ CSV_FIELDS = ["date", "gpu", "torch", "triton", "commit", "shape", "E", "N", "K"
               "fwd_bwd_ms", "graph_ms", "peak_mib", "floor_ms", "fraction", "speedup_vs_grouped_mm", "max_rel_err",
               "note"]
 
-Layer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 def _err_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
 
@@ -68,58 +66,6 @@ def _recover() -> None:
             torch.cuda.empty_cache()
     except Exception:  # noqa: BLE001
         pass
-
-
-def tmoe_layer(ids: torch.Tensor, save_preactivation: bool = True) -> Layer:
-    """tmoe's layer; ``save_preactivation`` False: the backward recomputes the pre-activation
-    (the "tmoe_recompute" provider)."""
-    import tmoe
-
-    return lambda x, w1, w2, tw: tmoe.fused_experts(x, w1, w2, tw, ids, save_preactivation=save_preactivation)
-
-
-def grouped_mm_layer(ids: torch.Tensor) -> Layer:
-    """transformers' grouped_mm experts path (``peers.grouped_mm_moe``) on transposed views, as
-    transformers passes them; a contiguous copy inside the step if ``_grouped_mm`` refuses views."""
-    views = peers._grouped_mm_takes_views(ids.device)
-
-    def t(w: torch.Tensor) -> torch.Tensor:
-        return w.transpose(1, 2) if views else w.transpose(1, 2).contiguous()
-
-    return lambda x, w1, w2, tw: peers.grouped_mm_moe(x, t(w1), t(w2), tw, ids)
-
-
-def liger_layer(ids: torch.Tensor, autotune: bool) -> Layer:
-    """Liger-Kernel's ``LigerFusedMoEFunction.apply(x, gate_up_proj (E, 2I, H), down_proj (E, H, I),
-    top_k_index int32, top_k_weights)``: tmoe's w1/w2 layout (gate rows first), silu."""
-    if not autotune:
-        os.environ.setdefault("LIGER_FUSED_MOE_AUTOTUNE", "0")  # read when liger_kernel is first imported
-    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
-
-    ids32 = ids.to(torch.int32).contiguous()
-    return lambda x, w1, w2, tw: LigerFusedMoEFunction.apply(x, w1, w2, ids32, tw)
-
-
-def provider_name(name: str, args: argparse.Namespace) -> str:
-    return "liger" if name == "liger" and args.liger_autotune else ("liger[pinned]" if name == "liger" else name)
-
-
-def make_layer(name: str, ids: torch.Tensor, args: argparse.Namespace) -> Layer:
-    if name in ("tmoe", "tmoe_recompute"):
-        return tmoe_layer(ids, save_preactivation=name == "tmoe")
-    if name == "grouped_mm":
-        return grouped_mm_layer(ids)
-    if ids.device.type != "cuda":
-        raise RuntimeError("skipped: Liger's kernels need a CUDA device")
-    return liger_layer(ids, args.liger_autotune)
-
-
-def step_fn(layer: Layer, params: tuple[torch.Tensor, ...], grad_out: torch.Tensor) -> Callable[[], tuple]:
-    """One fwd+bwd step -> (out, dx, dw1, dw2, dtopk_weights)."""
-    def step() -> tuple:
-        out = layer(*params)
-        return (out.detach(), *torch.autograd.grad(out, params, grad_out))
-    return step
 
 
 def graph_ms(name: str, step: Callable[[], tuple], device: torch.device) -> tuple[float | None, str]:
@@ -247,11 +193,13 @@ def ceilings(device: torch.device) -> tuple[float, float, str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tmoe bench-train", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tmoe bench-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3,mixtral,deepseek", help=f"comma list of {','.join(SHAPES)}")
     p.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)), help="comma list of token counts")
     p.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma list of {','.join(PROVIDERS)}")
-    p.add_argument("--out", type=Path, default=Path("bench/results"), help="results directory (bench_train.csv)")
+    p.add_argument("--csv", type=Path, default=None, metavar="PATH",
+                   help="append each cell's rows to this CSV as measured (default: none, the table is printed; a "
+                        "developer recording a run passes bench/results/bench_train.csv)")
     p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time per cell (ms)")
     p.add_argument("--liger-autotune", action="store_true",
                    help="let Liger's kernels autotune (about 200 Triton compiles per shape) instead of one pinned config")
@@ -286,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# ceilings: {text}", flush=True)
     print("# peak MiB: allocated above what was held before the step (weights, x, routing, grad_out): activations, "
           "workspace, output and gradients", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.csv:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
     shapes = {s.name: s for s in args.shapes}
     rows: list[dict] = []
     for s in args.shapes:
@@ -303,12 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     _recover()
                     continue
                 rows += cell
-                append_csv(args.out / "bench_train.csv", cell, env, shapes)  # as measured: a cut-off run keeps them
+                if args.csv:
+                    append_csv(args.csv, cell, env, shapes)  # as measured: a cut-off run keeps them
         except Exception as err:  # noqa: BLE001  (e.g. out of memory for one shape's weights)
             print(f"# {s.name} stopped: {_err_line(err)}", flush=True)
         del w1, w2
         _recover()
     print(f"\n## bench-train: {env.gpu}, torch {env.torch}, triton {env.triton}, commit {env.commit}\n", flush=True)
     print(markdown(rows), flush=True)
-    print(f"# wrote {args.out / 'bench_train.csv'} in {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"# wrote {args.csv or 'no CSV (no --csv)'} in {time.perf_counter() - t0:.0f} s", flush=True)
     return 0

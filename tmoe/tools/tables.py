@@ -11,7 +11,7 @@ import csv
 from pathlib import Path
 from typing import Sequence
 
-from tmoe.tools.peers import STAGE_ORDER  # every stage, in the layer's order
+from tmoe.tools.stage_calls import STAGE_ORDER  # every stage, in the layer's order
 
 PEERS = {"bf16": "grouped_mm", "fp8_block": "scaled_grouped_mm", "fp8_token": "scaled_grouped_mm"}
 SHAPE_ORDER = ("mixtral", "qwen3", "deepseek")
@@ -158,7 +158,7 @@ def misses(rows: dict, dtype: str, stages: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tmoe tables", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tmoe tables", description=__doc__)
     p.add_argument("csv", type=Path, help="bench_moe.csv (python -m tmoe bench) or bench_train.csv (bench-train)")
     p.add_argument("--commit", required=True, help="the run's commit (the CSV's commit column), or a comma list of them")
     p.add_argument("--dtype", default="bf16")

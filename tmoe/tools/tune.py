@@ -28,7 +28,6 @@ import torch
 from tmoe.tools.low_bit import GROUP_SIZE, quantize as quantize_low_bit
 from tmoe.tools.peers import quantize_fp8
 from tmoe.config import GemmConfig, MoEConfig, config_file_name, device_name, read_table, save_table
-from tmoe.config.tables import SHIPPED_CONFIGS
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.operands import Routing, Scales, WeightScales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
@@ -231,25 +230,32 @@ def tune_direct_down(m: int, p: Problem) -> tuple[GemmConfig, float]:
     return cfg, us
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m tmoe tune", description=__doc__)
     ap.add_argument("--shape", required=True, help=f"one of {sorted(SHAPES)} or E,N,K,topk")
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--quant", default="none", choices=sorted(QUANTS) + sorted(LOW_BIT))
-    ap.add_argument("--out", default=str(SHIPPED_CONFIGS))
+    ap.add_argument("--out", default=".", metavar="DIR", help="the table's directory, read to resume (default: the "
+                    "current one; TMOE_CONFIG_DIR=DIR makes tmoe use it; to ship a table: tmoe/config/tuned)")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--direct", action="store_true", help="add decode-path down tiles to the table's rows")
     mode.add_argument("--tma", action="store_true", help="time the table's rows against TMA-weight tiles, keep the fastest")
     mode.add_argument("--swap", action="store_true", help="time the table's rows against swap_ab tiles, keep the fastest")
     mode.add_argument("--persistent", action="store_true", help="the same against persistent TMA tiles")
     args = ap.parse_args(argv)
-    kind = next((kind for kind in VARIANTS if getattr(args, kind)), None)
-    if kind:
+    args.kind = next((kind for kind in VARIANTS if getattr(args, kind)), None)
+    if args.kind:
         try:
-            variant_candidates(16, True, args.quant, kind)  # low-bit codes have no TMA kinds
+            variant_candidates(16, True, args.quant, args.kind)  # low-bit codes have no TMA kinds
         except ValueError as err:
-            ap.error(f"--{kind}: {err}")
+            ap.error(f"--{args.kind}: {err}")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    kind = args.kind
     e, n, k, topk = SHAPES.get(args.shape) or tuple(int(v) for v in args.shape.split(","))
     path = Path(args.out) / config_file_name(e, n, device_name(torch.device("cuda")),
                                              TABLE_DTYPES.get(args.quant), QUANTS.get(args.quant))
