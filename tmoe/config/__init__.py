@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from tmoe.config.backward import override_backward_tiles
 from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
 from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.device import sm_count
@@ -256,5 +257,5 @@ def get_config(
 
 
 __all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",
-           "grouped_config", "override_config", "override_pdl", "override_route", "read_table", "save_table",
+           "grouped_config", "override_backward_tiles", "override_config", "override_pdl", "override_route", "read_table", "save_table",
            "use_direct_route", "use_fused_route", "use_grouped_route", "fused_decode_config"]

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch._library.custom_ops import CustomOpDef
 
 from tmoe.kernels.gemm_args import stored_transposed
-from tmoe.kernels.moe_grad_act import grad_block_m
+from tmoe.config.backward import grad_block_m
 from tmoe.modular.alltoall import kept_slot_ids
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import check_trainable, saves_preactivation
