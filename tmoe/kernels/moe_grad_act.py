@@ -263,7 +263,7 @@ def moe_grad_act(
            TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, TMA=tma, G_FIRST=tiles.g_first,
            SAVED=preact is not None,
            ACTIVATION=activation.name,
-           MUL=activation.gated, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
+           MUL=activation.mul, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
            GROUP_M=row_group(2 * block_m * k * x.element_size()),  # x and grad_out rows
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,

@@ -60,30 +60,38 @@ def moe_grad_act(
     """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``;
     frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``;
     ``preact`` (M * topk, 2N): the forward's saved pre-activation (None: recomputed)."""
-    activation_value = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
-    check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
-                   w2_bias, activation_value)
+    act, scales = _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids,
+                                     num_tokens_post_padded, w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
+                                     gate_up_interleaved, w1_scale, w2_scale, block_shape, preact)
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
-                     num_tokens_post_padded,
-                     activation=activation_value,
+                     num_tokens_post_padded, activation=act, block_m=block_m, tiles=act_tiles(block_m),
                      apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
-                     block_m=block_m, tiles=act_tiles(block_m),
-                     weight_scales=BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape), preact=preact)
+                     weight_scales=scales, preact=preact)
+
+
+def _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                       w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, w1_scale,
+                       w2_scale, block_shape, preact) -> tuple[Activation, BlockScales | None]:
+    """``moe_grad_act``'s checks (op and fake): its ``Activation`` from the schema arguments, and the
+    frozen block-fp8 weights' scales (None for float weights)."""
+    act = Activation.from_args(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+    check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
+                   w2_bias, act)
+    scales = BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
+    check_preact(preact, x, w1, topk_weights)
+    return act, scales
 
 
 @moe_grad_act.register_fake
 def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
       w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
       w1_scale=None, w2_scale=None, block_shape=None, preact=None):
-    activation_value = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
-    check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
-                   w2_bias, activation_value)
-    BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
-    check_preact(preact, x, w1, topk_weights)
+    _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                       w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, w1_scale,
+                       w2_scale, block_shape, preact)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
-    return (new((p, activation_value.rows_per_n * n)), new((p, n)),
-            new((p, grad_act_blocks(n, block_m)), dtype=torch.float32))
+    return new((p, w1.shape[1])), new((p, n)), new((p, grad_act_blocks(n, block_m)), dtype=torch.float32)
 
 
 @torch.library.custom_op("tmoe::moe_grad_input", mutates_args=())
