@@ -39,7 +39,7 @@ class Activation:
         return 2 if self.mul else 1
 
     def intermediate_size(self, w1_rows: int) -> int:
-        """N from W1's row count (``w1.shape[1]``): read once per call, by ``MoEProblem.of``."""
+        """N from W1's row count (``w1.shape[1]``): read once per layer call, by ``check_layer_call``."""
         return w1_rows // self.rows_per_n
 
     def as_args(self) -> tuple[str, float | None, float | None, bool]:

@@ -216,10 +216,9 @@ def moe_grad_act(
     """
     check_preact(preact, x, w1, topk_weights)
     num_slots = topk_weights.numel()
-    per_n = activation.rows_per_n
     n, k, p = w2.shape[2], x.shape[1], sorted_ids.shape[0]
     alpha, limit, clamp = activation.floats()
-    grad_h = torch.empty((p, per_n * n), dtype=x.dtype, device=x.device)
+    grad_h = torch.empty((p, w1.shape[1]), dtype=x.dtype, device=x.device)  # w1's rows: 2N, or N for *_no_mul
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
     if preact is not None:  # no dot left in the kernel: g first, rows gathered by pointers (no copy of x)
         tiles = replace(tiles, g_first=True, tma=False)

@@ -102,10 +102,10 @@ class KernelSpec:
                                               group_size)
         return cls(pf, tuple(pf_args or ()), group_name, experts, tuple(experts_args or ()), quant, chunk_size)
 
-    @functools.cached_property
-    def op_args(self) -> tuple:
-        """``as_args()``, computed once per spec (the face passes it on every layer op call)."""
-        return self.as_args()
+    def __post_init__(self) -> None:
+        # the face passes these on every layer op call: computed once (a plain attribute, which
+        # dynamo reads as it reads any module attribute; not a field: equality stays the fields')
+        object.__setattr__(self, "op_args", self.as_args())
 
     def check_trainable(self, args: LayerArgs) -> None:
         """Raise before any launch unless a call of this kernel has a backward (``check_trainable``)."""

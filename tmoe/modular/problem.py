@@ -23,7 +23,8 @@ class MoEProblem:
     ``num_experts``: the global expert count (topk_ids' range); ``num_local_experts``: w1's E;
     ``n``: the intermediate size; ``k``: the hidden size; ``topk``; ``activation`` (its rows per
     intermediate column tell W1's rows); ``dtype``: hidden_states'; ``weight_dtype``: w1/w2 as stored
-    (float, fp8 or uint8 low-bit codes)."""
+    (float, fp8 or uint8 low-bit codes). Built by ``check_layer_call`` (N derived there once, from
+    w1's rows and the activation)."""
 
     num_experts: int
     num_local_experts: int
@@ -33,13 +34,6 @@ class MoEProblem:
     activation: Activation
     dtype: torch.dtype
     weight_dtype: torch.dtype
-
-    @classmethod
-    def of(cls, w1_rows: int, activation: Activation, *, global_num_experts: int, num_local_experts: int, k: int,
-           topk: int, dtype: torch.dtype, weight_dtype: torch.dtype) -> MoEProblem:
-        """The problem of a call whose w1 has ``w1_rows`` rows (the one place N is derived)."""
-        return cls(global_expert_count(global_num_experts, num_local_experts), num_local_experts,
-                   activation.intermediate_size(w1_rows), k, topk, activation, dtype, weight_dtype)
 
     @property
     def w1_rows(self) -> int:
