@@ -141,7 +141,7 @@ class TritonExperts(_TritonExpertsBase):
             case Route.GROUPED:
                 self._grouped(output, call, workspace2)
             case route:
-                raise ValueError(f"TritonExperts has no route {route}")
+                raise ValueError(f"TritonExperts has no route {route.name}")
 
     def _layer_config(self, call: ExpertsCall) -> MoEConfig:
         m, k = call.hidden_states.shape
@@ -268,7 +268,7 @@ class BatchedTritonExperts(_TritonExpertsBase):
     def apply(self, output: torch.Tensor, call: ExpertsCall, workspace13: torch.Tensor,
               workspace2: torch.Tensor) -> None:
         if call.route is not Route.BATCHED:
-            raise ValueError(f"BatchedTritonExperts has no route {call.route}")
+            raise ValueError(f"BatchedTritonExperts has no route {call.route.name}")
         e, cap, k = call.hidden_states.shape
         cfg = self._config(cap, e, call.n, k, 1, call.hidden_states.device)
         counts = call.expert_num_tokens
