@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from tmoe.config import config_state
+from tmoe.runtime import state
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.plan import LaunchSequence
 from tmoe.runtime.replay import CallReplay
@@ -159,6 +160,7 @@ class ModularKernel:
         check_compatible(pf, experts)
         self.prepare_finalize, self.fused_experts, self.chunk_size = pf, experts, chunk_size
         self._plans: dict[tuple, CallPlan] = {}
+        self._generation = state.generation()
 
     @with_interpreter_fixes  # one swap for the call's launches (CPU); a no-op on a GPU
     def run(self, output: torch.Tensor, args: LayerArgs, preact: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,6 +170,9 @@ class ModularKernel:
         chunk_size = self.chunk_size or default_chunk_size()
         key = (call_signature(args), output.stride(), output.dtype, output.data_ptr() % 16,
                output.data_ptr() == args.hidden_states.data_ptr(), chunk_size, config_state(), preact is not None)
+        if self._generation != state.generation():  # clear_launch_caches: the routes' thresholds may have changed
+            self._plans.clear()
+            self._generation = state.generation()
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(args, chunk_size, saves_preact=preact is not None)
