@@ -15,10 +15,13 @@ from pathlib import Path
 import torch
 import triton
 
+from tmoe.config.backward import act_tiles, grad_block_m, weight_tiles
+from tmoe.kernels.activation import Activation
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.moe_grad_act import ActTiles, act_tiles, grad_block_m, moe_grad_act
-from tmoe.kernels.moe_grad_input import InputTiles, moe_grad_input
-from tmoe.kernels.moe_grad_weight import WeightTiles, moe_grad_weight, weight_tiles
+from tmoe.kernels.grad_config import ActTiles, InputTiles, WeightTiles
+from tmoe.kernels.moe_grad_act import moe_grad_act
+from tmoe.kernels.moe_grad_input import moe_grad_input
+from tmoe.kernels.moe_grad_weight import moe_grad_weight
 
 SHAPES = {"qwen3-30b-a3b": (128, 768, 2048, 8), "mixtral-8x7b": (8, 14336, 4096, 2),
           "deepseek-v3": (256, 2048, 7168, 8)}
@@ -86,10 +89,12 @@ def run_shape(name: str, m: int, kernels: tuple[str, ...] = KERNELS, block_ms: t
         sorted_ids, expert_ids, npp = moe_align_block_size(ids, block_m, e, None, offsets)
         route = (topk, sorted_ids, expert_ids, npp)
         if "act" in kernels:
-            act = [(t, _time(lambda t=t: moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m, tiles=t), rep_ms))
+            act = [(t, _time(lambda t=t: moe_grad_act(go, x, w1, w2, tw, *route, activation=Activation(),
+                                                       block_m=block_m, tiles=t), rep_ms))
                    for t in ACT]
             _best(f"moe_grad_act block_m={block_m}", act, act_tiles(block_m), where=(name, m, block_m))
-        grad_h, inter, partial = moe_grad_act(go, x, w1, w2, tw, *route, block_m=block_m)
+        grad_h, inter, partial = moe_grad_act(go, x, w1, w2, tw, *route, activation=Activation(), block_m=block_m,
+                                              tiles=act_tiles(block_m))
         if "input" in kernels:
             inp = [(t, _time(lambda t=t: moe_grad_input(grad_h, w1, partial, tw, ids, sorted_ids, expert_ids, npp, e,
                                                          block_m=block_m, tiles=t), rep_ms)) for t in INPUT]

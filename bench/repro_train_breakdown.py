@@ -21,7 +21,7 @@ import triton
 from torch.utils.flop_counter import FlopCounterMode
 
 import tmoe
-from tmoe.kernels.moe_grad_act import grad_block_m
+from tmoe.config.backward import grad_block_m
 from tmoe.modular.call import LayerArgs
 from tmoe.tools.bench_train import SHAPES
 from tmoe.tools.train_peers import grouped_mm_layer, step_fn

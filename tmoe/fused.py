@@ -11,26 +11,18 @@ from tmoe.modular import KernelSpec, NoEPPrepareAndFinalize, TritonExperts, buil
 from tmoe.modular.call import LayerArgs
 from tmoe.kernels.checks import boolean
 from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, needs_grad
-from tmoe.ops.autograd import check_layer_inputs_trainable, spec_saves_preactivation
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 _NO_QUANT = FusedMoEQuantConfig()
-
-
-# NoEPPrepareAndFinalize() + TritonExperts(): the spec's arguments before the quant config's;
-# the chunk size 0 means TMOE_CHUNK_SIZE (read inside the op)
-_DEFAULT_HEAD = KernelSpec.of(NoEPPrepareAndFinalize(), TritonExperts()).as_args()[:5]
 _DEFAULT_SPECS: dict[FusedMoEQuantConfig, KernelSpec] = {}
 
 
-def _default_spec_args(quant_config: FusedMoEQuantConfig) -> tuple:
-    return (*_DEFAULT_HEAD, *quant_config.as_args(), 0)
-
-
 def _default_spec(quant_config: FusedMoEQuantConfig) -> KernelSpec:
+    """NoEPPrepareAndFinalize() + TritonExperts(quant_config); the chunk size 0 means TMOE_CHUNK_SIZE
+    (read inside the op)."""
     spec = _DEFAULT_SPECS.get(quant_config)
     if spec is None:
-        spec = _DEFAULT_SPECS[quant_config] = KernelSpec.from_args(*_default_spec_args(quant_config))
+        spec = _DEFAULT_SPECS[quant_config] = KernelSpec.of(NoEPPrepareAndFinalize(), TritonExperts(quant_config))
     return spec
 
 
@@ -72,18 +64,19 @@ def run_layer(args: LayerArgs, spec: KernelSpec, inplace: bool) -> torch.Tensor:
     return build(spec).run(torch.empty_like(args.hidden_states), args)
 
 
-def run_layer_op(args: LayerArgs, spec_args: tuple, inplace: bool, save_preactivation: bool = True) -> torch.Tensor:
+def run_layer_op(args: LayerArgs, spec: KernelSpec, inplace: bool, save_preactivation: bool = True) -> torch.Tensor:
     """Call the layer op ``tmoe::modular_forward`` (in place: ``tmoe::modular_forward_``); a call
     autograd records runs ``tmoe::modular_forward_train`` where it can (``saves_preactivation``)
     and ``save_preactivation`` asks for it: its backward then reads the saved pre-activation."""
+    spec_args = spec.op_args
     if inplace:
         check_no_grad_inplace(args.hidden_states)
         torch.ops.tmoe.modular_forward_(*args, *spec_args)
         return args.hidden_states
     if needs_grad(args):  # before any launch: the composition and weights must have a backward
         if not torch.compiler.is_compiling():  # compiled: the op's autograd setup checks on fake tensors
-            check_layer_inputs_trainable((*args, *spec_args))
-        if save_preactivation and spec_saves_preactivation(spec_args):
+            spec.check_trainable(args)
+        if save_preactivation and spec.saves_preactivation:
             return torch.ops.tmoe.modular_forward_train(*args, *spec_args)[0]
     return torch.ops.tmoe.modular_forward(*args, *spec_args)
 
@@ -144,5 +137,5 @@ def fused_experts(
                         f"got {quant_config!r}")
     save_preactivation = boolean("save_preactivation", save_preactivation)  # checked on every path
     if takes_op_path(args):
-        return run_layer_op(args, _default_spec_args(quant_config), inplace, save_preactivation)
+        return run_layer_op(args, _default_spec(quant_config), inplace, save_preactivation)
     return run_layer(args, _default_spec(quant_config), inplace)

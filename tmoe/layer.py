@@ -19,6 +19,7 @@ from tmoe.modular import (
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import check_activation, check_routing
 from tmoe.modular.kernel import default_chunk_size
+from tmoe.modular.problem import global_expert_count
 
 
 class FusedMoEModularKernel(nn.Module):
@@ -41,14 +42,13 @@ class FusedMoEModularKernel(nn.Module):
         chunk_size = default_chunk_size() if chunk_size is None else positive_int("chunk_size", chunk_size)
         self.spec = KernelSpec.of(prepare_finalize, fused_experts, chunk_size)
         self.prepare_finalize, self.fused_experts, self.chunk_size = prepare_finalize, fused_experts, chunk_size
-        self._spec_args = self.spec.as_args()
         self.save_preactivation = boolean("save_preactivation", save_preactivation)
 
     def forward(self, hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, inplace: bool = False, **options) -> torch.Tensor:
         args = LayerArgs(hidden_states, w1, w2, float32_router_weights(topk_weights), topk_ids, **options)
         if takes_op_path(args):
-            return run_layer_op(args, self._spec_args, inplace, self.save_preactivation)
+            return run_layer_op(args, self.spec, inplace, self.save_preactivation)
         return run_layer(args, self.spec, inplace)
 
     def extra_repr(self) -> str:
@@ -63,8 +63,7 @@ class FusedMoEModularKernel(nn.Module):
             raise TypeError(f"warmup runs bfloat16 activations by default but w1 is {w1.dtype}: pass dtype={w1.dtype}")
         dtype = kwargs.pop("dtype", torch.bfloat16)
         sizes = sorted({1 << i for i in range(max_tokens.bit_length())} | {max_tokens})
-        num_experts = kwargs.get("global_num_experts", -1)
-        num_experts = num_experts if num_experts > 0 else e
+        num_experts = global_expert_count(kwargs.get("global_num_experts", -1), e)
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, num_experts={num_experts}], got {topk}")
         for m in sizes:
@@ -91,9 +90,10 @@ class FusedMoE(nn.Module):
     Weights: ``router_weight`` (E, hidden) (None when the caller passes ``router_logits``),
     ``w1`` (E, 2 * intermediate, hidden) gate rows then up rows (``gate_up_interleaved``: alternating;
     a *_no_mul ``activation``: (E, intermediate, hidden)), ``w2`` (E, hidden, intermediate),
-    optional ``e_score_correction_bias`` (E,) float32 for sigmoid scoring. ``swiglu_alpha`` and
-    ``swiglu_limit``: the activation's floats (``tmoe.modular.LayerArgs``), kept as plain attributes
-    (``act_options``) so that under torch.compile a changed value is honoured without a recompile.
+    optional ``e_score_correction_bias`` (E,) float32 for sigmoid scoring. ``activation``,
+    ``swiglu_alpha``, ``swiglu_limit`` and ``gate_up_interleaved`` (``tmoe.modular.LayerArgs``) are
+    kept as one ``Activation`` value (``self.activation``), a plain attribute, so that under
+    torch.compile a changed float is honoured without a recompile.
 
     ``expert_parallel`` (``tmoe.ExpertParallel``): the experts are spread over its process group
     and this rank holds its E_local = E / W of them: ``w1``/``w2`` are (E_local, ...) in local-id
@@ -118,9 +118,7 @@ class FusedMoE(nn.Module):
         check_routing(e, topk, scoring, num_expert_group, topk_group)
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {FLOAT_DTYPES} (the experts' and router's dtype), got {dtype}")
-        self.activation = activation
-        self.act_options = dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                                gate_up_interleaved=gate_up_interleaved)
+        self.activation = act
         self.routing = RouterConfig(topk, scoring, renormalize, num_expert_group, topk_group, routed_scaling_factor)
         make = dict(dtype=dtype, device=device)
         self.router_weight = nn.Parameter(torch.randn(e, k, **make) / k**0.5, requires_grad=False) if router else None
@@ -154,7 +152,7 @@ class FusedMoE(nn.Module):
         with torch.no_grad():
             if not up:
                 w1 = torch.stack(gate)
-            elif layer.act_options["gate_up_interleaved"]:
+            elif layer.activation.interleaved:
                 w1 = torch.stack([torch.stack([g, u], dim=1).reshape(2 * n, k) for g, u in zip(gate, up)])
             else:
                 w1 = torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gate, up)])
@@ -185,5 +183,5 @@ class FusedMoE(nn.Module):
         weights, ids = self.route(router_logits)
         ep = {} if self.expert_parallel is None else {"global_num_experts": self.num_experts,
                                                        "expert_map": self.expert_map}
-        out = self.kernel(x, self.w1, self.w2, weights, ids, activation=self.activation, **self.act_options, **ep)
+        out = self.kernel(x, self.w1, self.w2, weights, ids, **self.activation.layer_kwargs(), **ep)
         return out.view(hidden_states.shape)

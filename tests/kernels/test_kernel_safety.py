@@ -17,6 +17,7 @@ from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode,
 from tmoe.kernels.operands import DirectRouting, Routing
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.kernels.reduce import moe_reduce
+from tmoe.kernels.route import Route
 from tmoe.reference import moe_reference, valid_slots
 from tmoe.testing import assert_close
 
@@ -86,7 +87,7 @@ def test_direct_route_skips_bad_map_entries(dtype):
     m, topk = p.ids.shape
     cfg = GemmConfig(16, 32, 32)
     inter = torch.empty(m * topk, N, dtype=dtype, device=DEVICE)
-    invoke_moe_gemm(p.x, p.w1, inter, cfg, gated=True, routing=DirectRouting(p.ids, E, p.emap, topk))
+    invoke_moe_gemm(p.x, p.w1, inter, cfg, gated=True, routing=DirectRouting(p.ids, E, p.emap, topk), route=Route.SLOTS)
     out = torch.empty(m, K, dtype=dtype, device=DEVICE)
     moe_down_reduce(inter, p.w2, out, p.ids, E, cfg, topk_weights=p.weights, expert_map=p.emap)
     assert_close(out, p.reference(), dtype)
@@ -102,7 +103,7 @@ def test_fused_decode_skips_bad_map_entries(dtype):
     weights = p.weights.masked_fill(~ok, float("nan"))
     cfg = GemmConfig(16, 32, 32)
     partial = torch.empty(m * topk, fused_decode_blocks(N, cfg), K, dtype=torch.float32, device=DEVICE)
-    moe_fused_decode(p.x, p.w1, p.w2, partial, p.ids, E, cfg, topk_weights=weights, expert_map=p.emap)
+    moe_fused_decode(p.x, p.w1, p.w2, partial, p.ids, E, cfg, n=N, topk_weights=weights, expert_map=p.emap)
     out = torch.empty(m, K, dtype=dtype, device=DEVICE)
     moe_partial_reduce(partial, p.ids, E, out, expert_map=p.emap, num_local_experts=E_LOCAL)
     assert bool(partial.view(m, topk, -1)[~ok].isnan().all()), "skipped slots must not be written"
@@ -123,9 +124,9 @@ def test_batched_dispatch_skips_bad_map_entries():
     assert torch.equal(batches.view(-1, K)[rows[kept].long()], p.x[tokens])
     cfg = GemmConfig(16, 32, 32)
     inter = torch.empty(E_LOCAL, capacity, N, device=DEVICE)
-    invoke_moe_gemm(batches, p.w1, inter, cfg, gated=True, expert_num_tokens=counts)
+    invoke_moe_gemm(batches, p.w1, inter, cfg, gated=True, expert_num_tokens=counts, route=Route.BATCHED)
     y = torch.empty(E_LOCAL, capacity, K, device=DEVICE)
-    invoke_moe_gemm(inter, p.w2, y, cfg, gated=False, expert_num_tokens=counts)
+    invoke_moe_gemm(inter, p.w2, y, cfg, gated=False, expert_num_tokens=counts, route=Route.BATCHED)
     out = moe_reduce(y.view(-1, K), p.ids, E, p.weights, rows=rows)
     assert_close(out, p.reference(), torch.float32)
 

@@ -15,8 +15,9 @@ import tmoe
 import tmoe.kernels.moe_grad_act as grad_act_module
 import tmoe.kernels.moe_grad_input as grad_input_module
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.moe_grad_act import ActTiles
-from tmoe.kernels.moe_grad_input import InputTiles, sorted_input_grad
+from tmoe.config import override_backward_tiles
+from tmoe.kernels.grad_config import ActTiles, InputTiles
+from tmoe.kernels.moe_grad_input import sorted_input_grad
 from tmoe.testing import assert_close
 from tmoe.testing.gradients import layer_grads, reference_grads
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
@@ -89,7 +90,6 @@ CASES = {  # (m, e, n, k, topk, activation, options, bias, dtype)
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_path_gives_float64_gradients(path, case, monkeypatch):
     m, e, n, k, topk, activation, options, bias, dtype = CASES[case]
-    monkeypatch.setattr(grad_act_module, "act_tiles", lambda block_m: PATHS[path])
     launched = []
     launch = grad_act_module.launch
     monkeypatch.setattr(grad_act_module, "launch", lambda kern, grid, *a, **kw: (launched.append(kw),
@@ -106,7 +106,8 @@ def test_every_path_gives_float64_gradients(path, case, monkeypatch):
     grad_out = torch.randn(m, k, device=DEVICE).to(dtype)
     opts = dict(activation=activation, **options)
     save = path == "saved"
-    grads = layer_grads(functools.partial(tmoe.fused_experts, save_preactivation=save), inputs, grad_out, **opts)
+    with override_backward_tiles(act=PATHS[path]):
+        grads = layer_grads(functools.partial(tmoe.fused_experts, save_preactivation=save), inputs, grad_out, **opts)
     ref = reference_grads(inputs, grad_out, **opts)
     for name, got in grads.items():
         assert_close(got, ref[name], GRAD_TOL[dtype], name=f"d{name}")

@@ -8,7 +8,8 @@ import torch
 
 import tmoe.kernels.moe_grad_weight as grad_weight_module
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.moe_grad_weight import WeightTiles, moe_grad_weight, sorted_operands_fit
+from tmoe.kernels.grad_config import WeightTiles
+from tmoe.kernels.moe_grad_weight import moe_grad_weight, sorted_operands_fit
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
 

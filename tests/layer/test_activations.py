@@ -4,6 +4,8 @@ up GEMM's epilogue quantization; runtime floats under torch.compile."""
 import contextlib
 from dataclasses import dataclass, field
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -188,15 +190,15 @@ def test_new_alpha_and_limit_compile_correctly():
 
 
 def test_fused_moe_module_attribute_values():
-    """FusedMoE holds the floats as attributes; compiled, a changed value is honoured (never a
-    stale specialisation), with one graph under backend="eager"."""
+    """FusedMoE holds its activation as one value attribute; compiled, a changed value is honoured
+    (never a stale specialisation), with one graph under backend="eager"."""
     layer = tmoe.FusedMoE(4, 64, 40, 2, activation="silu", swiglu_limit=0.3, dtype=torch.float32, device=DEVICE)
     x = torch.randn(5, 64, device=DEVICE)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("eager")
     compiled = torch.compile(layer, backend=counter, fullgraph=True, dynamic=True)
     for limit in (0.3, 0.1, 0.05):
-        layer.act_options["swiglu_limit"] = limit
+        layer.activation = dataclasses.replace(layer.activation, limit=limit)
         weights, ids = layer.route(x @ layer.router_weight.T)
         ref = moe_reference(x, layer.w1, layer.w2, weights, ids, activation="silu", swiglu_limit=limit)
         assert_close(compiled(x), ref, torch.float32, name=f"limit={limit}")

@@ -10,7 +10,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tmoe
-from tmoe.kernels.moe_grad_act import grad_act_blocks, grad_block_m
+from tmoe.config.backward import grad_act_blocks, grad_block_m
 from tmoe.reference import dequantize_fp8_reference
 from tmoe.testing import assert_close
 from tmoe.testing.tolerance import Tolerance

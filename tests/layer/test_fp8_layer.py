@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tmoe
+from tmoe.kernels.route import Route
 from tmoe.reference import act_and_mul_reference, dequantize_fp8_reference, moe_reference
 from tmoe.testing import assert_close, rel_error
 from tmoe.testing.strategies import MoEShape, make_problem, route_shape
@@ -162,14 +163,14 @@ def test_epilogue_quant_equals_group_quant_of_float32_intermediate(layout, tma):
         x = torch.randn(4, cap, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
         counts = torch.tensor([22, 0, 7, 13], dtype=torch.int32, device=DEVICE)
         xq, xs = tmoe.per_token_group_quant_fp8(x, block[1])
-        rows, where = (4, cap), dict(expert_num_tokens=counts)
+        rows, where = (4, cap), dict(expert_num_tokens=counts, route=Route.BATCHED)
         valid = torch.arange(cap, device=DEVICE)[None, :] < counts[:, None]  # [E, cap]
     else:
         xq, xs = tmoe.per_token_group_quant_fp8(p.x, block[1])
         sorted_ids, expert_ids, ntpp = tmoe.moe_align_block_size(p.topk_ids, cfg.block_m, 4)
         routing = (Routing(sorted_ids, expert_ids, ntpp, 22, 2) if layout == "sorted"
                    else DirectRouting(p.topk_ids, 4, a_row_div=2))
-        rows, where = (11 * 2,), dict(routing=routing)
+        rows, where = (11 * 2,), dict(routing=routing, route=Route.SORTED if layout == "sorted" else Route.SLOTS)
         valid = torch.ones(22, dtype=torch.bool, device=DEVICE)
     scales = Scales(xs, s1, block)
     inter32 = poison(torch.empty(*rows, n, device=DEVICE))

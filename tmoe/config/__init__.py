@@ -14,7 +14,9 @@ from typing import Iterator
 
 import torch
 
+from tmoe.config.backward import override_backward_tiles
 from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
+from tmoe.kernels.route import Route
 from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.device import sm_count
 from tmoe.kernels.gemm_config import GemmConfig, MoEConfig
@@ -135,23 +137,26 @@ FUSED_MAX_EXPERT_ELEMENTS = 4 * 1024 * 1024
 # first planned: after changing them, ``tmoe.runtime.state.clear_launch_caches()``.
 GROUPED_MIN_ROWS_PER_EXPERT = 128
 GROUPED_MIN_N = 1024
-ROUTES = ("sorted", "direct", "slots", "fused", "grouped")
+# the Standard-format routes a call can be forced onto (BATCHED is the format of its own experts)
+ROUTES = tuple(r.label for r in (Route.SORTED, Route.DIRECT, Route.SLOTS, Route.FUSED, Route.GROUPED))
 
-_ROUTE_OVERRIDE: list[str] = []
+_ROUTE_OVERRIDE: list[Route] = []
 
 
 @contextlib.contextmanager
-def override_route(route: str) -> Iterator[None]:
+def override_route(route: str | Route) -> Iterator[None]:
     """Force a Standard-format path for every layer call inside the block (tests, benchmarks):
     "sorted" (align, then the GEMMs over expert-sorted row blocks), "direct" (the decode path:
     no align, one row block per slot, the down GEMM sums each token's slots) or "slots" (no
     align, one row block per slot in both GEMMs, then the top-k reduce) or "fused" (both GEMMs per
     (slot, block of the intermediate) in one kernel, then a reduce; layers with fp8 activations,
     which it does not run, take "sorted") or "grouped" (align, copy the rows into expert-sorted
-    order, both GEMMs on the grouped core; layers whose operands it cannot read take "sorted")."""
-    if route not in ROUTES:
+    order, both GEMMs on the grouped core; layers whose operands it cannot read take "sorted").
+    The string is the ``Route``'s label; a ``Route`` is taken as it is."""
+    forced = route if isinstance(route, Route) else Route.of(route) if route in ROUTES else None
+    if forced is None or forced.label not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
-    _ROUTE_OVERRIDE.append(route)
+    _ROUTE_OVERRIDE.append(forced)
     try:
         yield
     finally:
@@ -167,7 +172,7 @@ def config_state() -> tuple:
 def use_direct_route(m: int, topk: int) -> bool:
     """Whether a layer call of ``m`` tokens takes the decode path."""
     if _ROUTE_OVERRIDE:
-        return _ROUTE_OVERRIDE[-1] == "direct"
+        return _ROUTE_OVERRIDE[-1] is Route.DIRECT
     return m * topk <= DIRECT_MAX_SLOTS
 
 
@@ -175,7 +180,7 @@ def use_slot_route(m: int) -> bool:
     """Whether a layer call of ``m`` tokens that does not take the decode path skips the align
     stage (one row block per slot in both GEMMs)."""
     if _ROUTE_OVERRIDE:
-        return _ROUTE_OVERRIDE[-1] == "slots"
+        return _ROUTE_OVERRIDE[-1] is Route.SLOTS
     return 0 < m <= SLOT_ROUTE_MAX_TOKENS
 
 
@@ -183,7 +188,7 @@ def use_fused_route(m: int, n: int, k: int, low_bit: bool = False) -> bool:
     """Whether a layer call of ``m`` tokens with unquantized activations, intermediate size ``n`` and
     hidden size ``k`` (``low_bit``: low-bit weights) takes the fused decode path."""
     if _ROUTE_OVERRIDE:
-        return _ROUTE_OVERRIDE[-1] == "fused"
+        return _ROUTE_OVERRIDE[-1] is Route.FUSED
     return not low_bit and FUSED_TOKENS[0] <= m <= FUSED_TOKENS[1] and n * k <= FUSED_MAX_EXPERT_ELEMENTS
 
 
@@ -192,7 +197,7 @@ def use_grouped_route(m: int, topk: int, num_local_experts: int, n: int, block_s
     grouped core (where its operands allow: ``TritonExperts``); ``block_scales``: fp8 activations
     with block scales, which keep the aligned route."""
     if _ROUTE_OVERRIDE:
-        return _ROUTE_OVERRIDE[-1] == "grouped"
+        return _ROUTE_OVERRIDE[-1] is Route.GROUPED
     return (not block_scales and n >= GROUPED_MIN_N
             and m * topk >= GROUPED_MIN_ROWS_PER_EXPERT * max(num_local_experts, 1))
 
@@ -256,5 +261,5 @@ def get_config(
 
 
 __all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",
-           "grouped_config", "override_config", "override_pdl", "override_route", "read_table", "save_table",
+           "grouped_config", "override_backward_tiles", "override_config", "override_pdl", "override_route", "read_table", "save_table",
            "use_direct_route", "use_fused_route", "use_grouped_route", "fused_decode_config"]

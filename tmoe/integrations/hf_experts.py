@@ -142,9 +142,7 @@ class TmoeExperts(nn.Module):
         spec = SUPPORTED_EXPERTS[type(experts).__name__]
         layout = _gating(experts, spec).stored(spec.transposed, spec.bias,  # packed mxfp4 rows are de-interleaved once
                                                interleaved=spec.interleaved and not spec.mxfp4)
-        options = layout.options()
-        self.activation = options.pop("activation")
-        self.act_options = options
+        self.activation = layout.activation  # one value: the name, its floats, interleaved rows
         self.gate_up_proj_bias = self.down_proj_bias = self.gate_up_proj_scale = self.down_proj_scale = None
         quant = None
         if spec.mxfp4:
@@ -185,10 +183,10 @@ class TmoeExperts(nn.Module):
         """x (T, H), top_k_index/top_k_weights (T, k) -> (T, H); ``weight_on_input`` scales each
         expert's input instead of its output (then k must be 1)."""
         return self.kernel(x.contiguous(), self.gate_up_proj, self.down_proj, top_k_weights.float().contiguous(),
-                           top_k_index.contiguous(), activation=self.activation, w1_bias=self.gate_up_proj_bias,
+                           top_k_index.contiguous(), w1_bias=self.gate_up_proj_bias,
                            w2_bias=self.down_proj_bias, apply_router_weight_on_input=weight_on_input,
                            w1_scale=self.gate_up_proj_scale, w2_scale=self.down_proj_scale,
-                           **self.act_options, **self.ep_options)
+                           **self.activation.layer_kwargs(), **self.ep_options)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

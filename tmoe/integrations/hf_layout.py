@@ -59,7 +59,7 @@ class ExpertsLayout:
     def weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                    torch.Tensor | None]:
         """(w1, w2, w1_bias, w2_bias) in tmoe's layout: the stored tensors, transposed ones as views."""
-        up = "gate_up_proj" if self.activation.gated else "up_proj"
+        up = "gate_up_proj" if self.activation.mul else "up_proj"
         w1, w2 = getattr(experts, up), experts.down_proj
         if self.transposed:
             w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)

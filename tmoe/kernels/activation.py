@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")  # act(gate) * up: W1 has 2N rows
+MUL_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")  # act(gate) * up: W1 has 2N rows
 NO_MUL_ACTIVATIONS = ("silu_no_mul", "gelu_no_mul", "relu2_no_mul")  # act(h): W1 has N rows
-ACTIVATIONS = GATED_ACTIVATIONS + NO_MUL_ACTIVATIONS
+ACTIVATIONS = MUL_ACTIVATIONS + NO_MUL_ACTIVATIONS
 SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT = 1.702, 7.0  # GPT-OSS's defaults
 
 
@@ -28,18 +28,30 @@ class Activation:
     interleaved: bool = False
 
     @property
-    def gated(self) -> bool:
-        """act(gate) * up (W1 has gate and up rows), as opposed to a *_no_mul act(h)."""
+    def mul(self) -> bool:
+        """act(gate) * up (W1 has gate and up rows: the kernels' ``MUL``), as opposed to a *_no_mul
+        act(h). (In a GEMM launcher, ``gated`` names the up GEMM, the one with an activation.)"""
         return self.name not in NO_MUL_ACTIVATIONS
 
     @property
     def rows_per_n(self) -> int:
-        """Rows of W1 per intermediate column: 2 gated, 1 for *_no_mul."""
-        return 2 if self.gated else 1
+        """Rows of W1 per intermediate column: 2 for act(gate) * up, 1 for *_no_mul."""
+        return 2 if self.mul else 1
 
     def intermediate_size(self, w1_rows: int) -> int:
-        """N from W1's row count (``w1.shape[1]``)."""
+        """N from W1's row count (``w1.shape[1]``): read once per layer call, by ``check_layer_call``."""
         return w1_rows // self.rows_per_n
+
+    def as_args(self) -> tuple[str, float | None, float | None, bool]:
+        """(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved): the schema arguments of an op
+        that takes this value (``from_args`` rebuilds it)."""
+        return self.name, self.alpha, self.limit, self.interleaved
+
+    @classmethod
+    def from_args(cls, activation: str, swiglu_alpha: float | None, swiglu_limit: float | None,
+                  gate_up_interleaved: bool) -> Activation:
+        """The value an op's schema arguments (``LayerArgs``' names) stand for."""
+        return cls(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
 
     def layer_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``tmoe.fused_experts`` this value stands for (``LayerArgs``'s names)."""
@@ -58,7 +70,7 @@ class Activation:
         """The up GEMM's activation arguments: ACTIVATION, MUL, INTERLEAVED, CLAMP (constexprs) and
         act_alpha, act_limit (runtime floats)."""
         alpha, limit, clamp = self.floats()
-        return dict(ACTIVATION=self.name, MUL=self.gated, INTERLEAVED=self.gated and self.interleaved, CLAMP=clamp,
+        return dict(ACTIVATION=self.name, MUL=self.mul, INTERLEAVED=self.mul and self.interleaved, CLAMP=clamp,
                     act_alpha=alpha, act_limit=limit)
 
 

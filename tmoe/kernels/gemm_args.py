@@ -53,14 +53,16 @@ def asm_unpack(scales: Scales | WeightScales | None, a: torch.Tensor, config: Ge
 
 
 def scale_args(
-    scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig, tile_n: int
+    scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig, tile_n: int,
+    batched: bool = False,
 ) -> dict:
     """Launch arguments of the scales (and ``ASM_UNPACK``) of a GEMM whose B tile is
-    [block_k, tile_n] weight columns."""
-    return {**_scale_args(scales, a, w, config), "ASM_UNPACK": asm_unpack(scales, a, config, tile_n)}
+    [block_k, tile_n] weight columns; ``batched``: the BATCHED route's (E, capacity, ...) rows."""
+    return {**_scale_args(scales, a, w, config, batched), "ASM_UNPACK": asm_unpack(scales, a, config, tile_n)}
 
 
-def _scale_args(scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig) -> dict:
+def _scale_args(scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.Tensor, config: GemmConfig,
+                batched: bool) -> dict:
     if isinstance(scales, WeightScales):
         return _weight_scale_args(scales, a, w)
     if scales is None:  # the kernel reads no scale: w stands in for the pointers
@@ -70,7 +72,6 @@ def _scale_args(scales: Scales | WeightScales | None, a: torch.Tensor, w: torch.
     check_tensor("a_scale", a_s, dtypes=(torch.float32,), device=a.device)
     check_tensor("w_scale", w_s, dtypes=(torch.float32,), device=a.device)
     e, n_w, k = w.shape
-    batched = a.dim() == 3
     if scales.block_shape is not None:
         gn, gk = scales.block_shape
         if gk % config.block_k:

@@ -209,6 +209,7 @@ def moe_fused_decode(
     num_experts: int,
     config: GemmConfig,
     *,
+    n: int,
     activation: Activation = Activation(),
     topk_weights: torch.Tensor | None = None,
     weight_on_input: bool = False,
@@ -221,7 +222,8 @@ def moe_fused_decode(
     """partial[s, j] = w_s * (act(x[s // topk] @ W1[e].T + b1)[block j] @ W2[e, :, block j].T (+ b2 in j = 0)).
 
     Args:
-        x: (M, K) float activations; w1 (E, N_w, K), w2 (E, K, N) (low-bit: codes, ``w*_scales``).
+        x: (M, K) float activations; w1 (E, N_w, K), w2 (E, K, N) (low-bit: codes, ``w*_scales``);
+            n: the intermediate size N (the call's ``MoEProblem.n``).
         partial: (M * topk, fused_decode_blocks(N, config), K) float32; rows of slots that no
             local expert computes are not written (``moe_partial_reduce`` skips them).
         topk_ids: (M, topk) int32/int64, contiguous; ids outside [0, num_experts), or mapped by
@@ -234,8 +236,8 @@ def moe_fused_decode(
     Shapes were checked by the caller. Planned: the body runs once per static signature.
     """
     m, topk = topk_ids.shape
-    mul = activation.gated
-    n, k = activation.intermediate_size(w1.shape[1]), x.shape[1]
+    mul = activation.mul
+    k = x.shape[1]
     if m == 0 or n == 0 or k == 0:
         return partial
     budget = shared_memory_budget(x.device)

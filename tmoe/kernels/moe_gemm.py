@@ -1,13 +1,13 @@
 """The two expert GEMMs: fused up/gate + activation, and down (optionally times the router weight).
 
-One kernel serves both (``GATED`` selects the up GEMM's activation epilogue; ``MUL`` its gated
-form act(gate) * up over W1's 2N rows, else act(h) over N rows) and three row layouts (``ROUTE``):
-"sorted" (Standard format, rows found through the sorted slot ids of the align stage),
-"batched" (BatchedExperts, rows ``[0, expert_num_tokens[e])`` of each expert's fixed-capacity
-batch) and "direct" (Standard format without the align stage: one program row per slot, its
-expert read from topk_ids; for decode, where nearly every slot has an expert of its own). The
-grid covers the worst case; programs read the real token counts from device memory and
-return early. ``PERSISTENT`` (sorted route, TMA weights; ``GemmConfig.persistent``): at most one
+One kernel serves both (``GATED``: the up GEMM, with the activation epilogue; ``MUL`` the
+activation's form act(gate) * up over W1's 2N rows, else act(h) over N rows) and three row layouts
+(``ROUTE``, the int of ``Route.gemm_rows`` that the plan decided): SORTED (Standard format, rows found
+through the sorted slot ids of the align stage), BATCHED (BatchedExperts, rows ``[0,
+expert_num_tokens[e])`` of each expert's fixed-capacity batch) and SLOTS (Standard format without
+the align stage: one program row per slot, its expert read from topk_ids; the SLOTS and DIRECT
+routes, for decode, where nearly every slot has an expert of its own). The grid covers the worst
+case; programs read the real token counts from device memory and return early. ``PERSISTENT`` (sorted route, TMA weights; ``GemmConfig.persistent``): at most one
 program per SM, each walking the valid tiles (read from num_tokens_post_padded) in grouped order.
 ``HALVES`` (W1 stored transposed, its rows contiguous; pointer loads): the up tile reads gate rows
 then up rows as two contiguous runs (``common.w1_columns``) instead of alternating rows.
@@ -31,11 +31,16 @@ from tmoe.kernels.gemm_args import (
     weight_bytes, weight_descriptor,
 )
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales
+from tmoe.kernels.route import Route
 from tmoe.runtime.device import persistent_programs, shared_memory_budget
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 from tmoe.runtime.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from tmoe.runtime.plan import Launch, planned
+
+_BATCHED_ROWS: tl.constexpr = tl.constexpr(int(Route.BATCHED))  # ROUTE values (Route.gemm_rows)
+_SLOT_ROWS: tl.constexpr = tl.constexpr(int(Route.SLOTS))
+
 
 @triton.jit
 def _sorted_block(sorted_ids_ptr, expert_ids_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
@@ -112,7 +117,7 @@ def _moe_gemm_kernel(
     else:  # one program per output tile
         pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
         offs_bm = tl.arange(0, BLOCK_M)
-        if ROUTE == "batched":
+        if ROUTE == _BATCHED_ROWS:
             expert = (pid_m // blocks_per_expert).to(tl.int64)
             first_row = (pid_m % blocks_per_expert) * BLOCK_M
             num_rows = tl.load(expert_num_tokens_ptr + expert)
@@ -126,7 +131,7 @@ def _moe_gemm_kernel(
             scale_rows = expert * stride_ase + rows * stride_asm
             out_scale_rows = expert * stride_ose + rows * stride_osm
         else:
-            if ROUTE == "direct":  # row 0 of the block is slot pid_m, the other rows are masked
+            if ROUTE == _SLOT_ROWS:  # row 0 of the block is slot pid_m, the other rows are masked
                 slots = pid_m.to(tl.int64) + offs_bm  # [BM]
                 mask_m = offs_bm == 0
                 expert = local_expert(topk_ids_ptr, expert_map_ptr, pid_m.to(tl.int64), num_experts, num_local_experts,
@@ -193,6 +198,7 @@ def invoke_moe_gemm(
     activation: Activation | None = None,
     routing: Routing | DirectRouting | None = None,
     expert_num_tokens: torch.Tensor | None = None,
+    route: Route = Route.SORTED,
     topk_weights: torch.Tensor | None = None,
     scales: Scales | WeightScales | None = None,
     bias: torch.Tensor | None = None,
@@ -200,46 +206,48 @@ def invoke_moe_gemm(
     quant_eps: float = 1e-10,
     pre_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch one expert GEMM into ``out``; exactly one of ``routing`` (Standard: aligned or
-    direct, with ``config.block_m`` 16 for direct) and ``expert_num_tokens`` (Batched) is given. ``topk_weights`` ([num_slots] float32) multiplies
+    """Launch one expert GEMM into ``out`` (..., N_out): N_out columns, the intermediate size N for
+    the up GEMM. ``route`` (the plan's) picks the rows: SORTED with an aligned ``routing``
+    (``Routing``), SLOTS or DIRECT with a per-slot ``routing`` (``DirectRouting``, ``config.block_m``
+    16), BATCHED with ``expert_num_tokens``. ``topk_weights`` ([num_slots] float32) multiplies
     each slot's accumulator (Standard only); ``bias`` (E, N_w) is added per expert before the
     activation (gated) or before the weight (down). ``out_scale`` (gated, fp8 ``out``): the epilogue
     quantizes per 1 x g group, g = N_out // out_scale.shape[-1] (a divisor of ``config.block_n``),
     writing the codes to ``out`` and the scales, max(absmax, quant_eps) / 448, to ``out_scale``
     (rows, N_out / g), exactly as ``per_token_group_quant_fp8`` of the float32 intermediate.
-    ``gated`` (the up GEMM, ``activation`` given; None: silu): ``w`` is (E, 2N, K) for a gated
-    activation (``Activation.interleaved``: row 2j gate j, row 2j + 1 up j; else gate rows then up
-    rows), (E, N, K) for a *_no_mul one; its alpha and limit are runtime floats, so a new value
-    compiles nothing. ``scales`` a ``WeightScales``: ``w`` holds low-bit codes, dequantized
-    in the K loop. ``pre_out`` (gated, Standard routing; (num_slots, N_w) contiguous, x's dtype):
-    the epilogue also stores each slot's pre-activation there (``moe_epilogue``'s SAVE_PRE), gate
-    columns then up columns. Shapes were checked by the caller. Planned (``tmoe.runtime.plan.planned``):
-    the body runs once per static signature of the arguments."""
+    ``gated`` (the up GEMM, ``activation`` given; None: silu): ``w`` is (E, 2N, K) for act(gate) * up
+    (``Activation.interleaved``: row 2j gate j, row 2j + 1 up j; else gate rows then up rows), (E, N,
+    K) for a *_no_mul one; alpha and limit are runtime floats (a new value compiles nothing).
+    ``scales`` a ``WeightScales``: ``w`` holds low-bit codes, dequantized in the K loop. ``pre_out``
+    (gated, Standard routing; (num_slots, N_w) contiguous, x's dtype): the epilogue also stores each
+    slot's pre-activation there (``moe_epilogue``'s SAVE_PRE), gate columns then up columns. Shapes
+    were checked by the caller. Planned: the body runs once per static signature of the arguments."""
     act_args = (activation or Activation()).kernel_args() if gated else NO_ACTIVATION_ARGS
     mul = act_args["MUL"]
-    n = w.shape[1] // 2 if mul else w.shape[1]
-    k = a.shape[-1]
-    batched = routing is None
+    n, k = out.shape[-1], a.shape[-1]
+    rows = route.gemm_rows
+    if rows not in (Route.SORTED, Route.SLOTS, Route.BATCHED):
+        raise ValueError(f"invoke_moe_gemm runs the SORTED, SLOTS, DIRECT and BATCHED routes, not {route.name}")
+    batched = rows is Route.BATCHED
     unused = w  # pointer arguments the route does not read
-    route = dict(sorted_ids_ptr=unused, expert_ids_ptr=unused, num_post_padded_ptr=unused,
-                 expert_num_tokens_ptr=unused, topk_ids_ptr=unused, expert_map_ptr=unused,
-                 num_experts=0, num_local_experts=w.shape[0], HAS_MAP=False, stride_ae=0, stride_oe=0,
-                 blocks_per_expert=1)
+    route_args = dict(ROUTE=int(rows), sorted_ids_ptr=unused, expert_ids_ptr=unused, num_post_padded_ptr=unused,
+                      expert_num_tokens_ptr=unused, topk_ids_ptr=unused, expert_map_ptr=unused, num_experts=0,
+                      num_local_experts=w.shape[0], HAS_MAP=False, stride_ae=0, stride_oe=0, blocks_per_expert=1)
     if batched:
         cap = a.shape[1]
-        route.update(ROUTE="batched", blocks_per_expert=cdiv(cap, config.block_m), num_slots=0, a_row_div=1,
-                     expert_num_tokens_ptr=expert_num_tokens, stride_ae=a.stride(0), stride_oe=out.stride(0))
-        num_pid_m = w.shape[0] * route["blocks_per_expert"]
-    elif isinstance(routing, DirectRouting):
+        route_args.update(blocks_per_expert=cdiv(cap, config.block_m), num_slots=0, a_row_div=1,
+                          expert_num_tokens_ptr=expert_num_tokens, stride_ae=a.stride(0), stride_oe=out.stride(0))
+        num_pid_m = w.shape[0] * route_args["blocks_per_expert"]
+    elif rows is Route.SLOTS:
         num_pid_m = routing.topk_ids.numel()
-        route.update(ROUTE="direct", topk_ids_ptr=routing.topk_ids, num_experts=routing.num_experts,
-                     num_slots=num_pid_m, a_row_div=routing.a_row_div, HAS_MAP=routing.expert_map is not None,
-                     expert_map_ptr=routing.expert_map if routing.expert_map is not None else unused)
+        route_args.update(topk_ids_ptr=routing.topk_ids, num_experts=routing.num_experts, num_slots=num_pid_m,
+                          a_row_div=routing.a_row_div, HAS_MAP=routing.expert_map is not None,
+                          expert_map_ptr=routing.expert_map if routing.expert_map is not None else unused)
     else:
         num_pid_m = routing.expert_ids.shape[0]
-        route.update(ROUTE="sorted", sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
-                     num_post_padded_ptr=routing.num_tokens_post_padded,
-                     num_slots=routing.num_slots, a_row_div=routing.a_row_div)
+        route_args.update(sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
+                          num_post_padded_ptr=routing.num_tokens_post_padded, num_slots=routing.num_slots,
+                          a_row_div=routing.a_row_div)
     if num_pid_m == 0 or n == 0:
         return out
     config = fit_shared_memory(config, a.element_size(), mul,
@@ -253,7 +261,7 @@ def invoke_moe_gemm(
         group_out, os_st = 1, (0, 0, 0)
     w_desc = None if act_args["INTERLEAVED"] else weight_descriptor(w, config)
     num_tiles = num_pid_m * cdiv(n, config.block_n)
-    persistent = config.persistent and w_desc is not None and not batched and not isinstance(routing, DirectRouting)
+    persistent = config.persistent and w_desc is not None and rows is Route.SORTED
     grid = (persistent_programs(a.device, num_tiles) if persistent else num_tiles,)
     kwargs = dict(
         a_ptr=a, w_ptr=w, out_ptr=out, W_DESC=w_desc is not None,
@@ -274,7 +282,7 @@ def invoke_moe_gemm(
         HALVES=up_in_halves(w, mul, act_args["INTERLEAVED"]),
         pre_ptr=pre_out if pre_out is not None else w, stride_pm=pre_out.stride(0) if pre_out is not None else 0,
         SAVE_PRE=pre_out is not None,
-        **route, **scale_args(scales, a, w, config, config.block_n * (1 + mul)), **pdl_args(),
+        **route_args, **scale_args(scales, a, w, config, config.block_n * (1 + mul), batched=batched), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned
         launch(_moe_gemm_kernel, grid, **{**kwargs, "w_ptr": w_desc})

@@ -18,7 +18,7 @@ N-contiguous, gate/up not interleaved), grad_out and x are first copied into ali
 (``sorted_rows``, padding rows zero) and every operand loads by TMA: the gathered rows' [BM, BK]
 pointer tensors of the other path spilled registers at 128-row blocks. Else rows are gathered
 through their tokens and the weights read by pointers (any strides, interleaved rows, fp8).
-``g_first`` (``ActTiles``): g is first computed for every aligned row as its own M-grouped GEMM
+``g_first`` (``ActTiles``, chosen by ``tmoe.config.backward.act_tiles``): g is first computed for every aligned row as its own M-grouped GEMM
 (``moe_grad_input.sorted_input_grad`` on an aligned copy of grad_out: w2 read as stored) and
 rounded to x's dtype, as a torch autograd of the layer rounds it; the fused kernel's K loop then
 runs the two dots of the recomputed pre-activation alone (the forward's up GEMM, on wide tiles)
@@ -27,7 +27,7 @@ left: g first, then this kernel is one elementwise pass that gathers its rows th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
@@ -35,60 +35,18 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.activation_grad import act_and_mul_grad, act_no_mul_grad
-from tmoe.kernels._details.common import dequant_block
+from tmoe.kernels._details.grad_act_dots import grad_act_dots
 from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.grad_checks import check_preact
 from tmoe.kernels.gemm_args import tma_addressable
+from tmoe.kernels.grad_config import ActTiles
 from tmoe.kernels.moe_grad_input import sorted_input_grad
 from tmoe.kernels.operands import BlockScales, Routing, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.kernels.sorted_rows import aligned_copy
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
-
-@dataclass(frozen=True)
-class ActTiles:
-    """Tiles of ``moe_grad_act``: BLOCK_N intermediate columns, BLOCK_K steps (rows: the align block);
-    ``tma``: take the TMA path where the operands allow it (``tma_operands_fit``); ``g_first``:
-    compute g = go @ w2 first, as its own GEMM (the module's docstring)."""
-
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    tma: bool = True
-    g_first: bool = False
-
-
-def grad_block_m(num_experts: int) -> int:
-    """The backward's align block (rows of one expert per program), from the expert count alone:
-    128 for a few large experts (Mixtral's 8: the dX GEMM 1.4x faster), else 64 (H100 tile sweep,
-    ``bench/repro_grad_tiles.py``)."""
-    return 128 if num_experts <= 16 else 64
-
-
-def act_tiles(block_m: int) -> ActTiles:
-    """``moe_grad_act``'s tiles at an align block (the sweeps' best at each, ``bench/repro_grad_tiles.py``,
-    H100): at 128 rows g_first on TMA (g's GEMM first, then 128-column tiles of the recomputed
-    pre-activation): 1.08x over the fused TMA kernel at Mixtral-8x7B M = 4096, 1.13x at M = 16384,
-    where the fused kernel's three [128, 128] accumulators spilled registers; at 64 rows the
-    fused kernel on gathered rows stays, faster than TMA plus the aligned copies of grad_out and x
-    (1.13x DeepSeek-V3 M = 4096, 1.19x Qwen3-30B-A3B M = 16384) and than g_first (1.02x, 1.16x)."""
-    return ActTiles(128, 64, 8, 3, g_first=True) if block_m >= 128 else ActTiles(tma=False)
-
-
-@triton.jit
-def _w1_rows_dot(acc, xt, w1_base, w_rows, offs_k, mask, s1_base, stride_w1r, stride_w1k, stride_s1r, stride_s1c,
-                 FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + xt @ W1[w_rows, offs_k].T: the rows ``w_rows`` [C] of one expert's W1 (``w1_base``)
-    loaded by pointers as [BK, C] under ``mask`` (frozen block-fp8: dequantized to xt's dtype with
-    the expert's scales at ``s1_base``)."""
-    w = tl.load(w1_base + w_rows[None, :] * stride_w1r + offs_k[:, None] * stride_w1k, mask=mask, other=0.0)
-    if FP8_W:
-        w = dequant_block(w, s1_base, w_rows[None, :], offs_k[:, None], stride_s1r, stride_s1c, mask, SCALE_R,
-                          SCALE_C, xt.dtype)
-    return tl.dot(xt, w, acc, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=['num_slots', 'num_pid_m'])
@@ -162,60 +120,13 @@ def _moe_grad_act_kernel(
         tl.store(i_ptrs, zeros.to(inter_ptr.dtype.element_ty), mask=mask_n[None, :])
         tl.store(p_ptrs, tl.zeros((BLOCK_M,), dtype=tl.float32))
         return
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_pair = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)  # PAIRED: x @ W1's [2BN] rows
-    acc_b2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if K_LOOP:
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-            mask_k = offs_k < K
-            if TMA:  # aligned rows, whole blocks; rows and columns past the ends read zero
-                e32 = expert.to(tl.int32)
-                if LOAD_GO:
-                    go = grad_out_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
-                if not G_FIRST:
-                    w2t = w2_src.load([e32, k0, (pid_n * BLOCK_N).to(tl.int32)]).reshape(BLOCK_K, BLOCK_N)
-                    acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
-                if not SAVED:
-                    xt = x_src.load([(pid_m * BLOCK_M).to(tl.int32), k0])  # [BM, BK]
-                    w1g = w1_src.load([e32, (pid_n * BLOCK_N).to(tl.int32), k0]).reshape(BLOCK_N, BLOCK_K)
-                    acc_gate = tl.dot(xt, w1g.T, acc_gate, input_precision=PRECISION)
-                    if MUL:
-                        w1u = w1_src.load([e32, (N + pid_n * BLOCK_N).to(tl.int32), k0]).reshape(BLOCK_N, BLOCK_K)
-                        acc_up = tl.dot(xt, w1u.T, acc_up, input_precision=PRECISION)
-            else:  # rows gathered through their tokens, weights by pointers (any strides)
-                w1_base = w1_src + expert * stride_w1e
-                w2_base = w2_src + expert * stride_w2e + offs_n[None, :] * stride_w2n  # [1, BN]
-                mask_a = mask_m[:, None] & mask_k[None, :]
-                mask_b = mask_k[:, None] & mask_n[None, :]
-                if LOAD_GO:
-                    go = tl.load(grad_out_src + tokens[:, None] * stride_gm + offs_k[None, :] * stride_gk, mask=mask_a,
-                                 other=0.0)  # [BM, BK]
-                if not G_FIRST:
-                    w2t = tl.load(w2_base + offs_k[:, None] * stride_w2k, mask=mask_b, other=0.0)  # [BK, BN]
-                    if FP8_W:  # frozen block-fp8 weights, dequantized in registers (w2's rows are K, w1's are 2N)
-                        w2t = dequant_block(w2t, s2_ptr + expert * stride_s2e, offs_k[:, None], offs_n[None, :],
-                                            stride_s2r, stride_s2c, mask_b, SCALE_R, SCALE_C, x_src.dtype.element_ty)
-                    acc_g = tl.dot(go, w2t, acc_g, input_precision=PRECISION)
-                if not SAVED:
-                    xt = tl.load(x_src + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=mask_a,
-                                 other=0.0)  # [BM, BK]
-                    s1_base = s1_ptr + expert * stride_s1e
-                    if PAIRED:  # [BK, 2BN]
-                        acc_pair = _w1_rows_dot(acc_pair, xt, w1_base, pair_rows, offs_k,
-                                                mask_k[:, None] & mask_pair[None, :], s1_base, stride_w1r, stride_w1k,
-                                                stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
-                    else:
-                        acc_gate = _w1_rows_dot(acc_gate, xt, w1_base, gate_rows, offs_k, mask_b, s1_base, stride_w1r,
-                                                stride_w1k, stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
-                    if MUL and not PAIRED:
-                        acc_up = _w1_rows_dot(acc_up, xt, w1_base, up_rows, offs_k, mask_b, s1_base, stride_w1r,
-                                              stride_w1k, stride_s1r, stride_s1c, FP8_W, SCALE_R, SCALE_C, PRECISION)
-            if HAS_B2:
-                b2 = tl.load(b2_ptr + expert * stride_b2e + offs_k, mask=mask_k, other=0.0).to(tl.float32)  # [BK]
-                acc_b2 += tl.sum(go.to(tl.float32) * b2[None, :], axis=1)
+    acc_g, acc_gate, acc_up, acc_pair, acc_b2 = grad_act_dots(
+        grad_out_src, x_src, w1_src, w2_src, b2_ptr, s1_ptr, s2_ptr, pid_m, pid_n, expert, tokens, mask_m, offs_n,
+        mask_n, gate_rows, up_rows, pair_rows, mask_pair, N, K, stride_gm, stride_gk, stride_xm, stride_xk,
+        stride_w1e, stride_w1r, stride_w1k, stride_w2e, stride_w2k, stride_w2n, stride_b2e, stride_s1e, stride_s1r,
+        stride_s1c, stride_s2e, stride_s2r, stride_s2c, BLOCK_M, BLOCK_N, BLOCK_K, MUL, PAIRED, HAS_B2, PRECISION,
+        FP8_W, SCALE_R, SCALE_C, TMA, G_FIRST, SAVED, LOAD_GO, K_LOOP,
+    )  # [BM, BN] float32 each ([BM, 2BN] acc_pair, [BM] acc_b2); zeros where no dot ran
     if G_FIRST:  # rows of padding read zero
         acc_g = tl.load(g_ptr + rows[:, None] * stride_g + offs_n[None, :], mask=mask_out, other=0.0).to(tl.float32)
     w = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM] float32
@@ -271,18 +182,13 @@ def _moe_grad_act_kernel(
     tl.store(p_ptrs, tl.where(mask_m, part, 0.0))
 
 
-def grad_act_blocks(n: int, block_m: int) -> int:
-    """Column blocks of the ``partial`` output (one float32 per aligned row and block)."""
-    return cdiv(n, act_tiles(block_m).block_n)
-
-
 @with_interpreter_fixes
 def moe_grad_act(
     grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     topk: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor, *,
-    activation: Activation = Activation(), apply_router_weight_on_input: bool = False,
-    w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, block_m: int = 64,
-    weight_scales: BlockScales | None = None, tiles: ActTiles | None = None, preact: torch.Tensor | None = None,
+    activation: Activation, block_m: int, tiles: ActTiles, apply_router_weight_on_input: bool = False,
+    w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+    weight_scales: BlockScales | None = None, preact: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The intermediate's gradient, the intermediate and the router weights' partial gradients.
 
@@ -291,6 +197,7 @@ def moe_grad_act(
         w1: (E, 2N, K) (E, N, K for a *_no_mul activation); w2: (E, K, N); x's dtype, any strides.
         topk_weights: (M, topk) float32, contiguous.
         sorted_ids, expert_ids, num_post_padded: ``moe_align_block_size(topk_ids, block_m, ...)``.
+        tiles: the tiles (the rule: ``tmoe.config.backward.act_tiles(block_m)``).
         activation, apply_router_weight_on_input, w1_bias (E, 2N), w2_bias (E, K): the forward's.
         weight_scales: frozen block-fp8 w1/w2 (float8_e4m3fn) and their block scales; the
             weights are dequantized to x's dtype in the K loop (x itself is not quantized).
@@ -309,12 +216,10 @@ def moe_grad_act(
     """
     check_preact(preact, x, w1, topk_weights)
     num_slots = topk_weights.numel()
-    per_n = activation.rows_per_n
     n, k, p = w2.shape[2], x.shape[1], sorted_ids.shape[0]
     alpha, limit, clamp = activation.floats()
-    grad_h = torch.empty((p, per_n * n), dtype=x.dtype, device=x.device)
+    grad_h = torch.empty((p, w1.shape[1]), dtype=x.dtype, device=x.device)  # w1's rows: 2N, or N for *_no_mul
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
-    tiles = tiles or act_tiles(block_m)
     if preact is not None:  # no dot left in the kernel: g first, rows gathered by pointers (no copy of x)
         tiles = replace(tiles, g_first=True, tma=False)
     num_pid_n = cdiv(n, tiles.block_n)
@@ -357,7 +262,7 @@ def moe_grad_act(
            TOPK=topk, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, TMA=tma, G_FIRST=tiles.g_first,
            SAVED=preact is not None,
            ACTIVATION=activation.name,
-           MUL=activation.gated, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
+           MUL=activation.mul, CLAMP=clamp, INTERLEAVED=activation.interleaved, ON_INPUT=apply_router_weight_on_input,
            HAS_B1=w1_bias is not None, HAS_B2=w2_bias is not None,
            GROUP_M=row_group(2 * block_m * k * x.element_size()),  # x and grad_out rows
            PRECISION="ieee" if fp32 else "tf32", num_warps=tiles.num_warps,

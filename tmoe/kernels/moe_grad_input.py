@@ -20,8 +20,6 @@ expert map may mark blocks remote; else by pointers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tmoe.kernels._details.common import dequant_block
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.gemm_args import tma_addressable
+from tmoe.kernels.grad_config import InputTiles
 from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.runtime.device import persistent_programs
@@ -38,29 +37,6 @@ from tmoe.runtime.launch import launch
 from tmoe.kernels.reduce import moe_reduce
 
 PARTS_BLOCK = 16
-
-
-@dataclass(frozen=True)
-class InputTiles:
-    """Tiles of ``moe_grad_input``: BLOCK_N columns of K, BLOCK_R steps over w1's rows; ``tma``: load
-    dh and w1 by TMA where they allow it."""
-
-    block_n: int = 256
-    block_r: int = 64
-    num_warps: int = 8
-    num_stages: int = 4
-    tma: bool = True
-
-
-SHALLOW_PIPELINE_TOKENS = 1024
-
-
-def input_tiles(num_tokens: int) -> InputTiles:
-    """``moe_grad_input``'s tiles for a call of ``num_tokens`` tokens: 3 pipeline stages up to
-    ``SHALLOW_PIPELINE_TOKENS``, 4 beyond. H100, bf16, the persistent kernel: 3 stages are 1.01-1.15x
-    faster at M = 256-1024 (Mixtral-8x7B 1.24 → 1.08 ms at 1024), 4 stages 1.07-1.14x at M = 4096
-    on Qwen3-30B-A3B, Mixtral-8x7B and DeepSeek-V3; M = 2048 splits by shape."""
-    return InputTiles(num_stages=3 if num_tokens <= SHALLOW_PIPELINE_TOKENS else 4)
 
 
 @triton.jit(do_not_specialize=['num_slots'])
@@ -206,8 +182,8 @@ def moe_grad_input(
     grad_h: torch.Tensor, w1: torch.Tensor, partial: torch.Tensor, topk_weights: torch.Tensor,
     topk_ids: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
     num_experts: int, *, expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
-    apply_router_weight_on_input: bool = False, block_m: int = 64, weight_scales: BlockScales | None = None,
-    tiles: InputTiles | None = None,
+    block_m: int, tiles: InputTiles, apply_router_weight_on_input: bool = False,
+    weight_scales: BlockScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dx (M, K) in grad_h's dtype, dL/dtopk_weights (M, topk) float32).
 
@@ -219,10 +195,9 @@ def moe_grad_input(
             computed get exactly zero gradient.
         apply_router_weight_on_input: the forward scaled the input by the router weight.
         weight_scales: frozen block-fp8 w1 and its block scales (dequantized in the K loop).
-        tiles: default ``input_tiles(M)``.
+        tiles: the tiles (the rule: ``tmoe.config.backward.input_tiles(M)``).
     """
     m, topk = topk_ids.shape
-    tiles = tiles if tiles is not None else input_tiles(m)
     k = w1.shape[2]
     dev = grad_h.device
     grad_slots = torch.empty((m * topk, k), dtype=grad_h.dtype, device=dev)

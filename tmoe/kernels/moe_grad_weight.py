@@ -17,61 +17,26 @@ zero. Where the rows fit TMA (``sorted_operands_fit``), the token operand is fir
 aligned-row order (``sorted_rows``, padding rows zero) and both operands load as whole row blocks by
 TMA descriptors (``_moe_grad_weight_tma_kernel``: no gathers, no masks, the pointer kernel's
 gathered, transposed left tile kept its MMAs waiting on each step). db is its own memory-bound
-kernel over the same rows (``moe_grad_bias``; summed inside the GEMM, its register reduction of the
-left tile kept that operand out of the async-copy pipeline: GPT-OSS-20B's dW1 and dW2 ran 2.7x
-slower with it), so trainable biases of frozen weights cost no weight GEMM.
+kernel over the same rows (``tmoe.kernels.moe_grad_bias``; summed inside the GEMM, its register
+reduction of the left tile kept that operand out of the async-copy pipeline: GPT-OSS-20B's dW1 and
+dW2 ran 2.7x slower with it), so trainable biases of frozen weights cost no weight GEMM.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from tmoe.kernels._details.expert_rows import expert_rows, row_block
 from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.gemm_args import tma_addressable
+from tmoe.kernels.grad_config import WeightTiles
 from tmoe.kernels.operands import Routing
 from tmoe.kernels.sizes import backward_stages, cdiv
 from tmoe.kernels.sorted_rows import aligned_copy
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
-
-
-@dataclass(frozen=True)
-class WeightTiles:
-    """Tiles of ``moe_grad_weight``: a BLOCK_P x BLOCK_Q output tile, BLOCK_R rows a step; within an
-    expert, ``group_p`` output row blocks sweep the column blocks together (grouped order). ``tma``:
-    copy the token operand into aligned-row order and load both operands by TMA where they fit
-    (``sorted_operands_fit``); else gather the token rows by pointers."""
-
-    block_p: int = 128
-    block_q: int = 128
-    block_r: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    group_p: int = 8
-    tma: bool = True
-
-
-def weight_tiles(num_slots: int, num_experts: int) -> WeightTiles:
-    """``moe_grad_weight``'s tiles from the mean rows per expert (H100 sweep, ``bench/repro_grad_tiles.py``):
-    128 x 256 output tiles where each expert sums at least 512 rows (Mixtral-8x7B M = 16384: dW1
-    1.24x, dW2 1.32x over 128 x 128), 128 x 128 below (DeepSeek-V3 M = 4096, 128 rows: 1.15x more
-    tiles in flight)."""
-    return WeightTiles(block_q=256) if num_slots >= 512 * num_experts else WeightTiles()
-
-
-@triton.jit
-def _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP: tl.constexpr):
-    """(local id int64, first row, end row) of global expert ``e``'s aligned rows; local -1 when
-    another rank owns it (HAS_MAP, mapped outside [0, num_local_experts))."""
-    local = e
-    if HAS_MAP:
-        local = tl.load(expert_map_ptr + e).to(tl.int64)
-        local = tl.where((local < 0) | (local >= num_local_experts), -1, local)
-    return local, tl.load(expert_offsets_ptr + e), tl.load(expert_offsets_ptr + e + 1)
 
 
 @triton.jit
@@ -83,7 +48,7 @@ def _weight_tile(expert_offsets_ptr, expert_map_ptr, P_DIM, Q_DIM, num_local_exp
     num_pid_q = tl.cdiv(Q_DIM, BLOCK_Q)
     e = (tl.program_id(0) // (num_pid_p * num_pid_q)).to(tl.int64)
     pid_p, pid_q = tile_ids(tl.program_id(0) % (num_pid_p * num_pid_q), num_pid_p, num_pid_q, GROUP_P)
-    local, start, end = _expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP)
+    local, start, end = expert_rows(e, expert_map_ptr, expert_offsets_ptr, num_local_experts, HAS_MAP)
     return local, start, end, pid_p, pid_q
 
 
@@ -95,16 +60,6 @@ def _store_weight_tile(acc, out_ptr, local, pid_p, pid_q, P_DIM, Q_DIM, stride_o
     offs_q = pid_q.to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q)  # [BQ]
     tl.store(out_ptr + local * stride_oe + offs_p[:, None] * stride_op + offs_q[None, :] * stride_oq,
              acc.to(out_ptr.dtype.element_ty), mask=(offs_p < P_DIM)[:, None] & (offs_q < Q_DIM)[None, :])
-
-
-@triton.jit
-def _row_block(r0, end, sorted_ids_ptr, num_slots, TOPK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """(aligned rows, slots, valid, tokens) [BR] int64 of the row block at ``r0`` (rows at or past
-    ``end`` and padding slots invalid, their token 0)."""
-    rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
-    slots = tl.load(sorted_ids_ptr + rows, mask=rows < end, other=num_slots).to(tl.int64)
-    valid = slots < num_slots
-    return rows, slots, valid, tl.where(valid, slots // TOPK, 0)
 
 
 @triton.jit(do_not_specialize=['num_slots'])
@@ -132,7 +87,7 @@ def _moe_grad_weight_kernel(
     mask_q = offs_q < Q_DIM
     acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_R):
-        rows, slots, valid, tokens = _row_block(r0, end, sorted_ids_ptr, num_slots, TOPK, BLOCK_R)  # [BR]
+        rows, slots, valid, tokens = row_block(r0, end, sorted_ids_ptr, num_slots, TOPK, BLOCK_R)  # [BR]
         if TOKENS_LEFT:
             l_rows, r_rows = tokens, rows
         else:
@@ -179,41 +134,6 @@ def _moe_grad_weight_tma_kernel(
                        BLOCK_Q)
 
 
-@triton.jit(do_not_specialize=['num_slots'])
-def _moe_grad_bias_kernel(
-    left_ptr,  # TOKENS_LEFT: [M, P_DIM] token rows, else [P, P_DIM] aligned rows
-    topk_weights_ptr,  # [num_slots] float32 (WEIGHTED)
-    sorted_ids_ptr,  # [P] int32
-    expert_offsets_ptr,  # [E + 1] int32
-    expert_map_ptr,  # [E] int32 (HAS_MAP)
-    bias_ptr,  # [E_local, P_DIM] out
-    num_slots, P_DIM, num_local_experts, stride_lm, stride_lk, stride_be,
-    TOPK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, TOKENS_LEFT: tl.constexpr,
-    HAS_MAP: tl.constexpr, WEIGHTED: tl.constexpr,
-):
-    """db[e, p] = sum of left[r, p] (WEIGHTED: times the row's router weight) over expert e's rows:
-    one program per expert and BLOCK_P columns, a [BR, BP] float32 partial summed once at the end."""
-    local, start, end = _expert_rows(tl.program_id(0).to(tl.int64), expert_map_ptr, expert_offsets_ptr,
-                                     num_local_experts, HAS_MAP)
-    if local < 0:
-        return
-    offs_p = tl.program_id(1).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # [BP]
-    mask_p = offs_p < P_DIM
-    acc = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        rows, slots, valid, tokens = _row_block(r0, end, sorted_ids_ptr, num_slots, TOPK, BLOCK_R)  # [BR]
-        if TOKENS_LEFT:
-            l_rows = tokens
-        else:
-            l_rows = rows
-        lt = tl.load(left_ptr + l_rows[:, None] * stride_lm + offs_p[None, :] * stride_lk,
-                     mask=valid[:, None] & mask_p[None, :], other=0.0).to(tl.float32)  # [BR, BP]
-        if WEIGHTED:
-            lt *= tl.load(topk_weights_ptr + slots, mask=valid, other=0.0)[:, None]
-        acc += lt
-    tl.store(bias_ptr + local * stride_be + offs_p, tl.sum(acc, axis=0).to(bias_ptr.dtype.element_ty), mask=mask_p)
-
-
 def sorted_operands_fit(left: torch.Tensor, right: torch.Tensor, row_align: int, tiles: WeightTiles) -> bool:
     """Whether ``moe_grad_weight`` runs on TMA: ``tiles.tma``, rows of 16-byte multiples in both
     operands (the aligned-row one TMA-addressable as it is), and expert runs (multiples of
@@ -226,8 +146,7 @@ def sorted_operands_fit(left: torch.Tensor, right: torch.Tensor, row_align: int,
 def moe_grad_weight(
     left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
     expert_offsets: torch.Tensor, num_local_experts: int, *, tokens_left: bool, scale_tokens: bool,
-    row_align: int, expert_map: torch.Tensor | None = None, transposed: bool = False,
-    tiles: WeightTiles | None = None,
+    row_align: int, tiles: WeightTiles, expert_map: torch.Tensor | None = None, transposed: bool = False,
 ) -> torch.Tensor:
     """dW (E_local, P_DIM, Q_DIM) in ``left``'s dtype.
 
@@ -243,7 +162,8 @@ def moe_grad_weight(
         transposed: dW in the layout of a weight stored transposed, (E_local, Q_DIM, P_DIM) in memory
             and returned as its (E_local, P_DIM, Q_DIM) view, so autograd hands it to the parameter
             without a transposing copy.
-        tiles: the tiles, and whether to take the TMA path where it fits (default ``weight_tiles``).
+        tiles: the tiles, and whether to take the TMA path where it fits (the rule:
+            ``tmoe.config.backward.weight_tiles``).
 
     On the TMA path a (P, ·) workspace holds the token operand in aligned-row order (times the
     router weights when ``scale_tokens``) while the GEMM runs.
@@ -257,7 +177,6 @@ def moe_grad_weight(
         grad_w = make((num_local_experts, p_dim, q_dim), dtype=left.dtype, device=left.device)
     if num_local_experts == 0 or p_dim == 0 or q_dim == 0:
         return grad_w
-    tiles = tiles or weight_tiles(topk_weights.numel(), num_experts)
     fp32 = left.dtype == torch.float32
     grid = (num_experts * cdiv(p_dim, tiles.block_p) * cdiv(q_dim, tiles.block_q),)
     common = dict(expert_offsets_ptr=expert_offsets,
@@ -283,28 +202,3 @@ def moe_grad_weight(
            stride_rm=right.stride(0), stride_rk=right.stride(1), TOPK=topk_weights.shape[1], TOKENS_LEFT=tokens_left,
            SCALE_TOKENS=scale_tokens, **common)
     return grad_w
-
-
-BIAS_BLOCK_P, BIAS_BLOCK_R = 128, 64
-
-
-@with_interpreter_fixes
-def moe_grad_bias(
-    left: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_offsets: torch.Tensor,
-    num_local_experts: int, *, tokens_left: bool, weighted: bool, expert_map: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """db (E_local, P_DIM) in ``left``'s dtype: db[e] = the sum of left's rows of expert e
-    (``weighted``: each times its slot's router weight), ``left`` and the routing as in ``moe_grad_weight``."""
-    p_dim = left.shape[1]
-    num_experts = expert_offsets.shape[0] - 1
-    make = torch.zeros if expert_map is not None else torch.empty
-    grad_b = make((num_local_experts, p_dim), dtype=left.dtype, device=left.device)
-    if num_local_experts == 0 or p_dim == 0:
-        return grad_b
-    launch(_moe_grad_bias_kernel, (num_experts, cdiv(p_dim, BIAS_BLOCK_P)),
-           left, topk_weights, sorted_ids, expert_offsets,
-           expert_map if expert_map is not None else expert_offsets, grad_b,
-           topk_weights.numel(), p_dim, num_local_experts, left.stride(0), left.stride(1), grad_b.stride(0),
-           TOPK=topk_weights.shape[1], BLOCK_P=BIAS_BLOCK_P, BLOCK_R=BIAS_BLOCK_R, TOKENS_LEFT=tokens_left,
-           HAS_MAP=expert_map is not None, WEIGHTED=weighted, num_warps=4)
-    return grad_b

@@ -126,7 +126,7 @@ def invoke_grouped_gemm(
 ) -> torch.Tensor:
     """One expert GEMM on the grouped core. ``a`` (EM, K): expert-sorted rows (``sorted_rows``;
     EM = len(routing.sorted_token_ids)), ``w`` (E, N_w, K) with ``grouped_operands_fit``. ``gated``
-    (the up GEMM): ``out`` (EM, N) in sorted order, ``out_scale`` (EM, N / g) with fp8 ``out``
+    (the up GEMM): ``out`` (EM, N) in sorted order, N the intermediate size, ``out_scale`` (EM, N / g) with fp8 ``out``
     (epilogue quantization, as ``invoke_moe_gemm``); else ``out`` (num_slots, N), row = slot.
     ``scales``: fp8 (``Scales``) with the activation scales in sorted rows. ``topk_weights``
     ([num_slots] float32) multiplies each slot's accumulator; ``bias`` (E, N_w). ``config``: tiles
@@ -142,8 +142,7 @@ def invoke_grouped_gemm(
             topk_weights=topk_weights, scales=scales, bias=bias, pre_out=pre_out)
     act_args = (activation or Activation()).kernel_args() if gated else NO_ACTIVATION_ARGS
     mul = act_args["MUL"]
-    n = w.shape[1] // 2 if mul else w.shape[1]
-    k = a.shape[-1]
+    n, k = out.shape[-1], a.shape[-1]
     num_pid_m = routing.expert_ids.shape[0]
     if num_pid_m == 0 or n == 0:
         return out

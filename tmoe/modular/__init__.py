@@ -13,11 +13,12 @@ from tmoe.modular.interfaces import (
 from tmoe.modular.kernel import KernelSpec, ModularKernel, build
 from tmoe.modular.placement import PLACEMENTS, expert_map, local_expert_ids, shard_experts
 from tmoe.modular.prepare_finalize import BatchedPrepareAndFinalize, NoEPPrepareAndFinalize
+from tmoe.modular.problem import MoEProblem
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 __all__ = [
     "AllGatherPrepareAndFinalize", "AllToAllPrepareAndFinalize", "BatchedPrepareAndFinalize", "BatchedTritonExperts",
     "ExpertParallel", "ExpertsCall", "FusedMoEActivationFormat", "FusedMoEPermuteExpertsUnpermute", "FusedMoEPrepareAndFinalize",
-    "FusedMoEQuantConfig", "KernelSpec", "LayerArgs", "ModularKernel", "NoEPPrepareAndFinalize", "PLACEMENTS",
+    "FusedMoEQuantConfig", "KernelSpec", "LayerArgs", "ModularKernel", "MoEProblem", "NoEPPrepareAndFinalize", "PLACEMENTS",
     "PrepareResult", "Route", "TritonExperts", "build", "expert_map", "local_expert_ids", "shard_experts",
 ]

@@ -60,7 +60,7 @@ class LayerArgs(NamedTuple):
 
     def activation_value(self) -> Activation:
         """``activation`` and its options as the one value the experts and kernels carry."""
-        return Activation(self.activation, self.swiglu_alpha, self.swiglu_limit, self.gate_up_interleaved)
+        return Activation.from_args(self.activation, self.swiglu_alpha, self.swiglu_limit, self.gate_up_interleaved)
 
 
 _SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "str": "str", "int": "int",

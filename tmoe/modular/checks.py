@@ -12,32 +12,39 @@ from tmoe.kernels.activation import ACTIVATIONS, Activation
 from tmoe.kernels.router import SCORINGS
 from tmoe.kernels.operands import check_low_bit_operand, codes_per_byte
 from tmoe.modular.call import LayerArgs
+from tmoe.modular.problem import MoEProblem, global_expert_count
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 from tmoe.runtime import interpreter
 
 _TENSORS = ("expert_map", "w1_scale", "w2_scale", "a1_scale", "a2_scale", "w1_bias", "w2_bias", "w1_zp", "w2_zp")
 
 
-def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[int, int]:
+def _intermediate_size(args: LayerArgs, activation: Activation, pack: int = 1) -> int:
+    """N from w1's rows and the activation (the one place a call derives it), after checking that
+    the rows fit the activation: gate and up rows of 2N, or N rows for a *_no_mul one (w2 (E, K,
+    N / ``pack``) tells a gated layout given to a non-gated activation)."""
+    rows, per_n = args.w1.shape[1], activation.rows_per_n
+    if rows % per_n:
+        raise ValueError(f"w1 must be (E, 2N, K) with gate rows then up rows; got {rows} rows")
+    if per_n == 1 and args.w2.shape[2] * pack * 2 == rows:  # gate and up rows for a non-gated activation
+        k_in, n_in = ("K", "N") if pack == 1 else (f"K / {pack}", f"N / {pack}")
+        raise ValueError(f"w1 must be (E, N, {k_in}) for activation {args.activation!r}: w2 (E, K, "
+                         f"{n_in}={args.w2.shape[2]}) needs {rows // 2} rows of w1, got {rows}")
+    return activation.intermediate_size(rows)
+
+
+def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig, activation: Activation) -> tuple[int, int]:
     """Weight-only int4/int8/mxfp4 (layouts: ``tmoe.kernels.operands.WeightScales``): w1 uint8
     (E, 2N, K / p) ((E, N, K / p) for a *_no_mul activation), w2 uint8 (E, K, N / p), p = 2 for the
     4-bit schemes; scales (E, rows, cdiv(K_in, g)), float (e8m0 uint8 for mxfp4); zero points uint8
-    (E, rows / p, cdiv(K_in, g)). Returns (E, w1 rows, N)."""
+    (E, rows / p, cdiv(K_in, g)). Returns (E, N)."""
     x, wd = args.hidden_states, quant.weight_dtype
-    act = args.activation_value()
-    check_activation(act)
     k = x.shape[1]
     pack = codes_per_byte(wd)
     for name in ("w1", "w2"):
         check_tensor(name, getattr(args, name), dtypes=(torch.uint8,), ndim=3, device=x.device)
-    per_n = act.rows_per_n
     e, w1_rows = args.w1.shape[0], args.w1.shape[1]
-    n = w1_rows // per_n
-    if w1_rows % per_n:
-        raise ValueError(f"w1 must be (E, 2N, K) with gate rows then up rows; got {w1_rows} rows")
-    if per_n == 1 and args.w2.shape[2] * pack * 2 == w1_rows:  # gate and up rows for a non-gated activation
-        raise ValueError(f"w1 must be (E, N, K / {pack}) for activation {args.activation!r}: w2 (E, K, "
-                         f"N / {pack}={args.w2.shape[2]}) needs {w1_rows // 2} rows of w1, got {w1_rows}")
+    n = _intermediate_size(args, activation, pack)
     if args.a1_scale is not None or args.a2_scale is not None:
         raise ValueError(f"a1_scale/a2_scale are fp8 activation scales; {wd} weights keep activations unquantized")
     # the operand check owns the packing rule (K_in a multiple of the codes per byte): K for w1, N for w2
@@ -45,7 +52,7 @@ def check_low_bit_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[
                               ("w2", (e, k, n), f" for the intermediate size N={n} (w1's {w1_rows} rows)")):
         check_low_bit_operand(name, getattr(args, name), f"{name}_scale", getattr(args, f"{name}_scale"), f"{name}_zp",
                               getattr(args, f"{name}_zp"), wd, quant.group_size, shape, x.device, hint)
-    return e, w1_rows, n
+    return e, n
 
 
 def call_signature(args: LayerArgs) -> tuple:
@@ -55,9 +62,11 @@ def call_signature(args: LayerArgs) -> tuple:
                  for a in args)
 
 
-def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
-    """Shape, dtype and device checks of one layer call. ``quant``'s dtype is the weights' (None:
-    w1/w2 have hidden_states' dtype; fp8: w1/w2 fp8 with their scales; ``weight_dtype``: low-bit codes)."""
+def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> MoEProblem:
+    """Shape, dtype and device checks of one layer call; returns what the call is apart from its
+    token count (``MoEProblem``), which the plan and the backward carry. ``quant``'s dtype is the
+    weights' (None: w1/w2 have hidden_states' dtype; fp8: w1/w2 fp8 with their scales;
+    ``weight_dtype``: low-bit codes)."""
     x = args.hidden_states
     check_tensor("hidden_states", x, dtypes=FLOAT_DTYPES, ndim=2)
     dev = x.device
@@ -70,10 +79,13 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
         if t is not None:
             check_tensor(name, t, device=dev)
     m, k = x.shape
+    activation = args.activation_value()
     if quant.weight_dtype is not None:
-        e, rows, n = check_low_bit_weights(args, quant)
+        check_activation(activation)
+        e, n = check_low_bit_weights(args, quant, activation)
     else:
-        e, rows, n = _check_weights(args, quant)
+        e, n = _check_weights(args, quant, activation)
+    rows = args.w1.shape[1]
     check_tensor("topk_ids", args.topk_ids, dtypes=INDEX_DTYPES, ndim=2, device=dev, contiguous=True)
     check_tensor("topk_weights", args.topk_weights, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
     if args.topk_ids.shape[0] != m:
@@ -88,7 +100,7 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
             check_shape(name, bias, (e, bias_rows))
             if bias.stride(1) != 1:
                 raise ValueError(f"{name} must be contiguous along its last dimension")
-    num_experts = args.global_num_experts if args.global_num_experts > 0 else e
+    num_experts = global_expert_count(args.global_num_experts, e)
     if args.expert_map is not None:
         check_tensor("expert_map", args.expert_map, dtypes=(torch.int32,), ndim=1, contiguous=True)
         check_shape("expert_map", args.expert_map, (num_experts,))
@@ -99,6 +111,7 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
         if k % bk or n % bk:
             raise ValueError(f"block_shape[1]={bk} (the activation group size) must divide the hidden size K={k} "
                              f"and the intermediate size N={n}")
+    return MoEProblem(num_experts, e, n, k, args.topk_ids.shape[1], activation, x.dtype, args.w1.dtype)
 
 
 def check_activation(activation: Activation) -> None:
@@ -120,13 +133,13 @@ def check_activation(activation: Activation) -> None:
             raise ValueError(f"swiglu_alpha must be finite, got {value}")
         if name == "swiglu_limit" and isinstance(value, (int, float)) and not value > 0:
             raise ValueError(f"swiglu_limit must be > 0, got {value}")
-    if activation.interleaved and not activation.gated:
+    if activation.interleaved and not activation.mul:
         raise ValueError(f"gate_up_interleaved needs a gated activation (w1 with gate and up rows), not {act!r}")
 
 
-def _check_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[int, int, int]:
+def _check_weights(args: LayerArgs, quant: FusedMoEQuantConfig, activation: Activation) -> tuple[int, int]:
     """w1 (E, 2N, K) ((E, N, K) for a *_no_mul activation), w2 (E, K, N) in hidden_states' dtype,
-    or fp8 with their scales; the activation and its options. Returns (E, w1 rows, N)."""
+    or fp8 with their scales; the activation and its options. Returns (E, N)."""
     x, w1, w2 = args.hidden_states, args.w1, args.w2
     weight_dtype = quant.quant_dtype or x.dtype
     why = "the quant config's dtype" if quant.quant_dtype else "hidden_states' dtype; pass a quant_config for fp8 weights"
@@ -139,22 +152,15 @@ def _check_weights(args: LayerArgs, quant: FusedMoEQuantConfig) -> tuple[int, in
     if args.w1_zp is not None or args.w2_zp is not None:
         raise ValueError("w1_zp/w2_zp are zero points of int4/int8 weights; pass "
                          "quant_config=FusedMoEQuantConfig(weight_dtype='int4' or 'int8', group_size=g)")
-    act = args.activation_value()
-    check_activation(act)
+    check_activation(activation)
     k = x.shape[1]
     e, rows, k1 = w1.shape
-    per_n = act.rows_per_n
-    if rows % per_n:
-        raise ValueError(f"w1 must be (E, 2N, K) with gate rows and up rows; got {rows} rows")
-    if k1 != k:
-        raise ValueError(f"w1 must be (E, {'2N' if per_n == 2 else 'N'}, K={k}) to match hidden_states (M, K={k}); "
+    if rows % activation.rows_per_n == 0 and k1 != k:
+        raise ValueError(f"w1 must be (E, {'2N' if activation.mul else 'N'}, K={k}) to match hidden_states (M, K={k}); "
                          f"got shape {tuple(w1.shape)}")
-    n = rows // per_n
-    if per_n == 1 and w2.shape[2] * 2 == rows:  # gate and up rows for a non-gated activation
-        raise ValueError(f"w1 must be (E, N, K) for activation {args.activation!r}: w2 (E, K, N={w2.shape[2]}) "
-                         f"needs {w2.shape[2]} rows of w1, got {rows}")
+    n = _intermediate_size(args, activation)
     check_shape("w2", w2, (e, k, n))
-    return e, rows, n
+    return e, n
 
 
 def check_static_scales(args: LayerArgs) -> None:

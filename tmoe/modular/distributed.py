@@ -89,6 +89,9 @@ class AllGatherPrepareAndFinalize(NamedGroup, FusedMoEPrepareAndFinalize):
     def num_dispatched_tokens(self, num_tokens: int) -> int:
         return num_tokens * dist.get_world_size(self.group)
 
+    def copies_rows(self) -> bool:
+        return True
+
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
                 quant_config, a1_scale=None) -> PrepareResult:
         x = all_gather_rows(a1, self.group)

@@ -18,7 +18,9 @@ from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode,
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.kernels.moe_grouped_gemm import grouped_operands_fit, invoke_grouped_gemm
 from tmoe.kernels.sorted_rows import sorted_rows
+from tmoe.modular.call import LayerArgs
 from tmoe.modular.interfaces import ExpertsCall, FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute, Route
+from tmoe.modular.problem import MoEProblem
 from tmoe.modular.quantize import quantize_activations
 
 _STANDARD = FusedMoEActivationFormat.Standard
@@ -97,13 +99,30 @@ class TritonExperts(_TritonExpertsBase):
     def supports_chunking(self) -> bool:
         return True
 
-    def route(self, m: int, topk: int, n: int, k: int, may_reduce: bool) -> Route:
+    def route(self, problem: MoEProblem, m: int, may_reduce: bool, args: LayerArgs, rows_copied: bool) -> Route:
         qc = self.quant_config
-        if may_reduce and qc.quant_dtype is None and use_fused_route(m, n, k, low_bit=qc.weight_dtype is not None):
+        if may_reduce and qc.quant_dtype is None and use_fused_route(m, problem.n, problem.k,
+                                                                    low_bit=qc.weight_dtype is not None):
             return Route.FUSED
-        if may_reduce and use_direct_route(m, topk):
+        if may_reduce and use_direct_route(m, problem.topk):
             return Route.DIRECT
-        return Route.SLOTS if use_slot_route(m) else Route.SORTED
+        if use_slot_route(m):
+            return Route.SLOTS
+        if (use_grouped_route(m, problem.topk, problem.num_local_experts, problem.n, qc.scheme == "block")
+                and self._grouped_fits(problem, args, rows_copied)):
+            return Route.GROUPED
+        return Route.SORTED
+
+    def _grouped_fits(self, problem: MoEProblem, args: LayerArgs, rows_copied: bool) -> bool:
+        """The grouped core reads both operands of both GEMMs by TMA: float or fp8 weights with K
+        contiguous (not interleaved), prepared rows (hidden_states, or the new rows prepare copies:
+        ``rows_copied``) contiguous and of 16-byte multiples, no expert map (the pointer route writes
+        remote slots' zeros)."""
+        qc, x = self.quant_config, args.hidden_states
+        size = 1 if qc.quant_dtype is not None else x.element_size()  # fp8 rows once quantized
+        rows_fit = (rows_copied or x.stride(1) == 1) and all(d * size % 16 == 0 for d in (problem.k, problem.n))
+        return (args.expert_map is None and qc.weight_dtype is None and rows_fit
+                and grouped_operands_fit(args.w1, problem.activation.interleaved) and grouped_operands_fit(args.w2))
 
     def workspace_shapes(self, a, m, n, k, topk, num_experts, local_num_experts):
         return (m * topk, k), (m * topk, n), (m, topk, k)
@@ -119,8 +138,10 @@ class TritonExperts(_TritonExpertsBase):
                 self._slots(output, call, workspace2)
             case Route.SORTED:
                 self._sorted(output, call, workspace2)
+            case Route.GROUPED:
+                self._grouped(output, call, workspace2)
             case route:
-                raise ValueError(f"TritonExperts has no route {route}")
+                raise ValueError(f"TritonExperts has no route {route.name}")
 
     def _layer_config(self, call: ExpertsCall) -> MoEConfig:
         m, k = call.hidden_states.shape
@@ -138,20 +159,21 @@ class TritonExperts(_TritonExpertsBase):
         cfg = fused_decode_config(m, call.n, k, call.topk_ids.shape[1], x.device)
         partial = torch.empty((call.topk_ids.numel(), fused_decode_blocks(call.n, cfg), k), dtype=torch.float32,
                               device=x.device)
-        moe_fused_decode(x, call.w1, call.w2, partial, call.topk_ids, call.num_experts, cfg, activation=call.activation,
+        moe_fused_decode(x, call.w1, call.w2, partial, call.topk_ids, call.num_experts, cfg, n=call.n,
+                         activation=call.activation,
                          topk_weights=call.topk_weights, weight_on_input=call.apply_router_weight_on_input,
                          expert_map=call.expert_map, w1_scales=self._scales(None, call.w1_scale, call.w1_zp),
                          w2_scales=self._scales(None, call.w2_scale, call.w2_zp), w1_bias=call.w1_bias,
                          w2_bias=call.w2_bias)
         moe_partial_reduce(partial, call.topk_ids, call.num_experts, output, expert_map=call.expert_map,
-                           num_local_experts=call.w1.shape[0])
+                           num_local_experts=call.problem.num_local_experts)
 
     def _slot_up(self, call: ExpertsCall, cfg: MoEConfig, workspace2: torch.Tensor):
         """The up GEMM with no align: slot s is row block s."""
         m, topk = call.topk_ids.shape
         return self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(m * topk, call.n),
                         replace(cfg.up, block_m=16), invoke_moe_gemm,
-                        routing=DirectRouting(call.topk_ids, call.num_experts, call.expert_map, topk),
+                        routing=DirectRouting(call.topk_ids, call.num_experts, call.expert_map, topk), route=call.route,
                         topk_weights=self._input_weights(call))
 
     def _direct(self, output: torch.Tensor, call: ExpertsCall, workspace2: torch.Tensor) -> None:
@@ -171,35 +193,22 @@ class TritonExperts(_TritonExpertsBase):
         a2q, a2q_scale = self._slot_up(call, cfg, workspace2)
         m, topk = call.topk_ids.shape
         self._down(call, a2q, a2q_scale, output.view(m * topk, -1), replace(cfg.down, block_m=16), invoke_moe_gemm,
-                   routing=DirectRouting(call.topk_ids, call.num_experts, call.expert_map, 1))
+                   routing=DirectRouting(call.topk_ids, call.num_experts, call.expert_map, 1), route=call.route)
 
     def _sorted(self, output: torch.Tensor, call: ExpertsCall, workspace2: torch.Tensor) -> None:
-        """Align the slots by expert, then both GEMMs over the sorted slots (output (M, topk, K)):
-        on the grouped core where the call is large enough and its operands allow, else with
-        pointer-gathered rows."""
+        """Align the slots by expert, then both GEMMs over the sorted slots with pointer-gathered
+        rows (output (M, topk, K))."""
         m, topk = call.topk_ids.shape
-        block_scales = self.quant_config.scheme == "block"
-        if use_grouped_route(m, topk, call.w1.shape[0], call.n, block_scales) and self._grouped_fits(call):
-            self._grouped(output, call, workspace2)
-            return
         cfg = self._layer_config(call)
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
-            call.topk_ids, cfg.block_m, call.num_experts, call.expert_map, num_local_experts=call.w1.shape[0]
+            call.topk_ids, cfg.block_m, call.num_experts, call.expert_map, num_local_experts=call.problem.num_local_experts
         )
         a2q, a2q_scale = self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(m * topk, call.n), cfg.up,
                                   invoke_moe_gemm, routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk),
+                                  route=call.route,
                                   topk_weights=self._input_weights(call))
         self._down(call, a2q, a2q_scale, output.view(m * topk, -1), cfg.down, invoke_moe_gemm,
-                   routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1))
-
-    def _grouped_fits(self, call: ExpertsCall) -> bool:
-        """The grouped core reads both operands of both GEMMs by TMA: float or fp8 weights with K
-        contiguous (not interleaved), contiguous rows whose bytes are multiples of 16, no expert map
-        (the pointer route writes remote slots' zeros)."""
-        qc, x = self.quant_config, call.hidden_states
-        rows_fit = x.stride(1) == 1 and all(d * x.element_size() % 16 == 0 for d in (x.shape[1], call.n))
-        return (call.expert_map is None and qc.weight_dtype is None and rows_fit
-                and grouped_operands_fit(call.w1, call.activation.interleaved) and grouped_operands_fit(call.w2))
+                   routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1), route=call.route)
 
     def _grouped(self, output: torch.Tensor, call: ExpertsCall, workspace2: torch.Tensor) -> None:
         """Align with the grouped core's block_m, copy the rows (and fp8 scales) into sorted order,
@@ -211,7 +220,7 @@ class TritonExperts(_TritonExpertsBase):
         qc = self.quant_config
         cfg = grouped_config(qc.block_shape, fp8=qc.quant_dtype is not None)
         sorted_ids, expert_ids, num_post_padded = moe_align_block_size(
-            call.topk_ids, cfg.block_m, call.num_experts, num_local_experts=call.w1.shape[0])
+            call.topk_ids, cfg.block_m, call.num_experts, num_local_experts=call.problem.num_local_experts)
         em = sorted_ids.shape[0]
         up_rows = Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk)
         a_scale = call.a1q_scale
@@ -249,7 +258,7 @@ class BatchedTritonExperts(_TritonExpertsBase):
     def activation_formats(self):
         return (_BATCHED, _BATCHED)
 
-    def route(self, m: int, topk: int, n: int, k: int, may_reduce: bool) -> Route:
+    def route(self, problem: MoEProblem, m: int, may_reduce: bool, args: LayerArgs, rows_copied: bool) -> Route:
         return Route.BATCHED
 
     def workspace_shapes(self, a, m, n, k, topk, num_experts, local_num_experts):
@@ -259,10 +268,10 @@ class BatchedTritonExperts(_TritonExpertsBase):
     def apply(self, output: torch.Tensor, call: ExpertsCall, workspace13: torch.Tensor,
               workspace2: torch.Tensor) -> None:
         if call.route is not Route.BATCHED:
-            raise ValueError(f"BatchedTritonExperts has no route {call.route}")
+            raise ValueError(f"BatchedTritonExperts has no route {call.route.name}")
         e, cap, k = call.hidden_states.shape
         cfg = self._config(cap, e, call.n, k, 1, call.hidden_states.device)
         counts = call.expert_num_tokens
         a2q, a2q_scale = self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(e, cap, call.n), cfg.up,
-                                  invoke_moe_gemm, expert_num_tokens=counts)
-        self._down(call, a2q, a2q_scale, output, cfg.down, invoke_moe_gemm, expert_num_tokens=counts)
+                                  invoke_moe_gemm, expert_num_tokens=counts, route=call.route)
+        self._down(call, a2q, a2q_scale, output, cfg.down, invoke_moe_gemm, expert_num_tokens=counts, route=call.route)

@@ -16,27 +16,15 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from tmoe.kernels.activation import Activation
+from tmoe.kernels.route import Route
+from tmoe.modular.call import LayerArgs
+from tmoe.modular.problem import MoEProblem
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 
 class FusedMoEActivationFormat(Enum):
     Standard = "standard"  # (num_tokens, K)
     BatchedExperts = "batched_experts"  # (local_experts, max_tokens_per_expert, K)
-
-
-class Route(Enum):
-    """How the experts run one chunk of a call, decided once per call signature (``route``)."""
-
-    SORTED = "sorted"  # align, then both GEMMs over expert-sorted slots: per-slot outputs (M, topk, K)
-    SLOTS = "slots"  # no align, one row block per slot in both GEMMs: per-slot outputs
-    DIRECT = "direct"  # no align; the down GEMM sums each token's slots: the layer output (M, K)
-    FUSED = "fused"  # up, activation and down in one kernel per slot, then a fixed-order sum: (M, K)
-    BATCHED = "batched"  # (E_local, capacity, K) batches with per-expert token counts in device memory
-
-    @property
-    def reduces_topk(self) -> bool:
-        """Whether the experts write the weighted top-k sum (M, K) themselves."""
-        return self in (Route.DIRECT, Route.FUSED)
 
 
 @dataclass(frozen=True)
@@ -56,8 +44,9 @@ class PrepareResult:
 
 
 class ExpertsCall(NamedTuple):
-    """One chunk's experts call: what the call plan decided (the route, the intermediate size, the
-    global expert count, the activation), the prepared activations and the layer's weights.
+    """One chunk's experts call: what the call plan decided (the route and the ``MoEProblem``: the
+    intermediate size, the expert counts, the activation), the prepared activations and the layer's
+    weights.
 
     ``hidden_states``: the prepared (M', K) (Standard) or (E_local, capacity, K) (Batched)
     activations, with ``a1q_scale`` when quantized and ``expert_num_tokens`` (E_local,) int32
@@ -68,9 +57,7 @@ class ExpertsCall(NamedTuple):
     aligned routes), else None."""
 
     route: Route
-    n: int
-    num_experts: int
-    activation: Activation
+    problem: MoEProblem
     hidden_states: torch.Tensor
     a1q_scale: torch.Tensor | None
     expert_num_tokens: torch.Tensor | None
@@ -88,6 +75,20 @@ class ExpertsCall(NamedTuple):
     w2_zp: torch.Tensor | None
     apply_router_weight_on_input: bool
     preact: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        """The intermediate size."""
+        return self.problem.n
+
+    @property
+    def num_experts(self) -> int:
+        """The global expert count (topk_ids' range)."""
+        return self.problem.num_experts
+
+    @property
+    def activation(self) -> Activation:
+        return self.problem.activation
 
 
 PREPARE_FINALIZE_KINDS: dict[str, type[FusedMoEPrepareAndFinalize]] = {}
@@ -155,6 +156,11 @@ class FusedMoEPrepareAndFinalize(ABC):
     def max_num_tokens_per_rank(self) -> int | None:
         return None
 
+    def copies_rows(self) -> bool:
+        """Whether prepare hands the experts new contiguous rows (gathered from the ranks) rather
+        than hidden_states itself (quantization aside): the plan's route reads it."""
+        return False
+
     def runs_with_no_tokens(self) -> bool:
         """Whether prepare/finalize must run on a call with 0 tokens (every rank takes part in
         their collectives each step); otherwise such a call returns at once."""
@@ -204,10 +210,12 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
         return False
 
     @abstractmethod
-    def route(self, m: int, topk: int, n: int, k: int, may_reduce: bool) -> Route:
-        """The route of a chunk of ``m`` prepared tokens (intermediate size ``n``, hidden size
-        ``k``); ``may_reduce``: the PrepareAndFinalize accepts the weighted top-k sum, so a route
-        that ``reduces_topk`` is handed the (M, K) layer output."""
+    def route(self, problem: MoEProblem, m: int, may_reduce: bool, args: LayerArgs, rows_copied: bool) -> Route:
+        """The route of a chunk of ``m`` prepared tokens of ``problem``, decided once per call
+        signature by the plan: ``may_reduce``: the PrepareAndFinalize accepts the weighted top-k sum,
+        so a route that ``reduces_topk`` is handed the (M, K) layer output; ``args``: the call, whose
+        tensors' layouts (strides, alignment) the signature fixes; ``rows_copied``: prepare hands
+        the experts new contiguous rows (quantized or gathered), not views of hidden_states."""
 
     @abstractmethod
     def workspace_shapes(

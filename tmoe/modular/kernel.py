@@ -11,17 +11,20 @@ from typing import NamedTuple
 
 import torch
 
-from tmoe.kernels.activation import Activation
 from tmoe.config import config_state
+from tmoe.runtime import state
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.plan import LaunchSequence
 from tmoe.runtime.replay import CallReplay
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import call_signature, check_layer_call, check_static_scales
+from tmoe.modular.checks import (
+    call_signature, check_layer_call, check_recorded_call, check_static_scales, check_trainable, saves_preactivation,
+)
 from tmoe.modular.interfaces import (
     EXPERTS_KINDS, PREPARE_FINALIZE_KINDS, ExpertsCall, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize,
     Route,
 )
+from tmoe.modular.problem import MoEProblem
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 DEFAULT_CHUNK_SIZE = 32768
@@ -100,6 +103,30 @@ class KernelSpec:
                                               group_size)
         return cls(pf, tuple(pf_args or ()), group_name, experts, tuple(experts_args or ()), quant, chunk_size)
 
+    def __post_init__(self) -> None:
+        # the face passes these on every layer op call: computed once (a plain attribute, which
+        # dynamo reads as it reads any module attribute; not a field: equality stays the fields')
+        object.__setattr__(self, "op_args", self.as_args())
+
+    def check_trainable(self, args: LayerArgs) -> None:
+        """Raise before any launch unless a call of this kernel has a backward (``check_trainable``)
+        and the call's scales and frozen weights allow one (``check_recorded_call``)."""
+        check_trainable(args, self.prepare_finalize, self.experts, self.quant.dtype_name, self.quant.weight_dtype)
+        check_recorded_call(args, self.quant)
+
+    @property
+    def saves_preactivation(self) -> bool:
+        """Whether a training call's forward can save its pre-activation (``saves_preactivation``)."""
+        return saves_preactivation(self.prepare_finalize, self.experts, self.quant.quant_name is not None)
+
+
+_NUM_LAYER_ARGS = len(LayerArgs._fields)
+
+
+def split_op_args(args: tuple) -> tuple[LayerArgs, KernelSpec]:
+    """A layer op's arguments (``LayerArgs``' then ``SPEC_SCHEMA``'s) as the two values."""
+    return LayerArgs(*args[:_NUM_LAYER_ARGS]), KernelSpec.from_args(*args[_NUM_LAYER_ARGS:])
+
 
 class ChunkPlan(NamedTuple):
     """One chunk of a call: its token range, the experts' route and the workspace and fused-output shapes."""
@@ -113,17 +140,13 @@ class ChunkPlan(NamedTuple):
 
 
 class CallPlan(NamedTuple):
-    """What a call's signature fixes: sizes, the activation, the chunks, the sequence of planned
-    launches (recorded on the first call, replayed after) and the whole call's launches (recorded
-    on the second call, replayed after; not with a process group: collectives are no Triton launches)."""
+    """What a call's signature fixes: the token count, the problem (sizes, expert counts, the
+    activation), the chunks and their routes, the sequence of planned launches (recorded on the
+    first call, replayed after) and the whole call's launches (recorded on the second call,
+    replayed after; not with a process group: collectives are no Triton launches)."""
 
     m: int
-    k: int
-    n: int
-    topk: int
-    e_local: int
-    num_experts: int
-    activation: Activation
+    problem: MoEProblem
     chunks: tuple[ChunkPlan, ...]  # the first is the largest
     launches: LaunchSequence
     replay: CallReplay | None
@@ -139,6 +162,7 @@ class ModularKernel:
         check_compatible(pf, experts)
         self.prepare_finalize, self.fused_experts, self.chunk_size = pf, experts, chunk_size
         self._plans: dict[tuple, CallPlan] = {}
+        self._generation = state.generation()
 
     @with_interpreter_fixes  # one swap for the call's launches (CPU); a no-op on a GPU
     def run(self, output: torch.Tensor, args: LayerArgs, preact: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,6 +172,9 @@ class ModularKernel:
         chunk_size = self.chunk_size or default_chunk_size()
         key = (call_signature(args), output.stride(), output.dtype, output.data_ptr() % 16,
                output.data_ptr() == args.hidden_states.data_ptr(), chunk_size, config_state(), preact is not None)
+        if self._generation != state.generation():  # clear_launch_caches: the routes' thresholds may have changed
+            self._plans.clear()
+            self._generation = state.generation()
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(args, chunk_size, saves_preact=preact is not None)
@@ -182,57 +209,57 @@ class ModularKernel:
             rows = slice(c.start, c.end)
             self._run_chunk(output[rows], args, x[rows], args.topk_ids[rows], args.topk_weights[rows], plan, c,
                             workspace13[: math.prod(c.ws13)].view(c.ws13), workspace2[: math.prod(c.ws2)].view(c.ws2),
-                            None if preact is None else preact[c.start * plan.topk: c.end * plan.topk])
+                            None if preact is None else preact[c.start * plan.problem.topk: c.end * plan.problem.topk])
         return output
 
     def _plan(self, args: LayerArgs, chunk_size: int, saves_preact: bool) -> CallPlan:
         """Check a call and size its chunks and workspaces (once per call signature); a call that
         saves its pre-activation takes no route that sums the top-k slots."""
         experts, pf = self.fused_experts, self.prepare_finalize
-        check_layer_call(args, experts.quant_config)
+        problem = check_layer_call(args, experts.quant_config)
         if args.expert_map is not None and not experts.supports_expert_map():
             raise ValueError(f"{type(experts).__name__} does not support expert_map")
-        x, w1 = args.hidden_states, args.w1
-        m, k = x.shape
-        topk = args.topk_ids.shape[1]
-        activation = args.activation_value()
-        e_local, n = w1.shape[0], activation.intermediate_size(w1.shape[1])
-        num_experts = args.global_num_experts if args.global_num_experts > 0 else e_local
+        x = args.hidden_states
+        m = x.shape[0]
+        n, k, topk, e_local = problem.n, problem.k, problem.topk, problem.num_local_experts
         pf.check_local_experts(e_local)
         chunk = max(1, min(m, chunk_size) if experts.supports_chunking() else m)
         may_reduce = pf.accepts_reduced_output() and not saves_preact
+        rows_copied = pf.copies_rows() or experts.quant_config.quant_dtype is not None
         chunks = []
         for start in range(0, max(m, 1), chunk):  # m == 0: one empty chunk
             end = min(m, start + chunk)
             rows = pf.num_dispatched_tokens(end - start)
-            route = experts.route(rows, topk, n, k, may_reduce)
+            route = experts.route(problem, rows, may_reduce, args, rows_copied)
             if route.reduces_topk and not may_reduce:
                 raise ValueError(f"{type(experts).__name__} chose route {route.name}, which sums the top-k slots, "
                                  f"but {type(pf).__name__} does not accept reduced output")
             chunks.append(ChunkPlan(start, end, route, *experts.workspace_shapes(x[start:end], rows, n, k, topk,
-                                                                                  num_experts, e_local)))
+                                                                                  problem.num_experts, e_local)))
         replay = None if pf.group_name() else CallReplay()
-        return CallPlan(m, k, n, topk, e_local, num_experts, activation, tuple(chunks), LaunchSequence(), replay)
+        return CallPlan(m, problem, tuple(chunks), LaunchSequence(), replay)
 
     def _run_chunk(self, output: torch.Tensor, args: LayerArgs, x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor, plan: CallPlan, chunk: ChunkPlan, ws13: torch.Tensor,
                    ws2: torch.Tensor, preact: torch.Tensor | None) -> None:
         experts, pf = self.fused_experts, self.prepare_finalize
         on_input = args.apply_router_weight_on_input
-        prepared = pf.prepare(x, weights, ids, plan.num_experts, args.expert_map, on_input, experts.quant_config,
+        problem = plan.problem
+        prepared = pf.prepare(x, weights, ids, problem.num_experts, args.expert_map, on_input, experts.quant_config,
                               args.a1_scale)
         reduced = chunk.route.reduces_topk
         fused_out = output if reduced else ws13.view(chunk.out)
         call = ExpertsCall(
-            chunk.route, plan.n, plan.num_experts, plan.activation, prepared.a1q, prepared.a1q_scale,
+            chunk.route, problem, prepared.a1q, prepared.a1q_scale,
             prepared.expert_num_tokens, prepared.topk_weights if prepared.topk_weights is not None else weights,
             prepared.topk_ids if prepared.topk_ids is not None else ids, args.w1, args.w2, args.expert_map,
             args.w1_scale, args.w2_scale, args.a2_scale, args.w1_bias, args.w2_bias, args.w1_zp, args.w2_zp, on_input,
             preact,
         )
         experts.apply(fused_out, call, ws13, ws2)
-        pf.finalize(output, fused_out, weights, ids, on_input, num_experts=plan.num_experts,
-                    expert_map=args.expert_map, prepared=prepared, num_local_experts=plan.e_local, reduced=reduced)
+        pf.finalize(output, fused_out, weights, ids, on_input, num_experts=problem.num_experts,
+                    expert_map=args.expert_map, prepared=prepared, num_local_experts=problem.num_local_experts,
+                    reduced=reduced)
 
 
 @functools.lru_cache(maxsize=256)

@@ -74,6 +74,11 @@ class FusedMoEQuantConfig:
         return None if self.quant_dtype is None else "fp8_w8a8"
 
     @property
+    def dtype_name(self) -> str | None:
+        """``quant_dtype``'s name ("float8_e4m3fn"), as the layer op's schema takes it; None unquantized."""
+        return None if self.quant_dtype is None else str(self.quant_dtype).removeprefix("torch.")
+
+    @property
     def scheme(self) -> str:
         """"none", "tensor", "token" (per-token activations) or "block"."""
         if self.quant_dtype is None:
@@ -84,8 +89,7 @@ class FusedMoEQuantConfig:
 
     def as_args(self) -> tuple[str | None, bool, bool, list[int] | None, str | None, int]:
         """Primitive form for custom-op arguments."""
-        dtype = None if self.quant_dtype is None else str(self.quant_dtype).removeprefix("torch.")
-        return (dtype, self.per_act_token_quant, self.per_out_ch_quant,
+        return (self.dtype_name, self.per_act_token_quant, self.per_out_ch_quant,
                 list(self.block_shape) if self.block_shape else None, self.weight_dtype, self.group_size)
 
     @classmethod

@@ -7,20 +7,17 @@ import torch
 import torch.nn.functional as F
 from torch._library.custom_ops import CustomOpDef
 
+from tmoe.config.backward import grad_block_m
 from tmoe.kernels.checks import compile_visible
 from tmoe.kernels.gemm_args import stored_transposed
 from tmoe.kernels.grad_checks import check_first_order
-from tmoe.kernels.moe_grad_act import grad_block_m
 from tmoe.modular.alltoall import kept_slot_ids
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_recorded_call, check_trainable, saves_preactivation
-from tmoe.modular.kernel import KernelSpec
+from tmoe.modular.checks import check_layer_call
+from tmoe.modular.kernel import split_op_args
 from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_*)
 
-_NUM_LAYER_ARGS = len(LayerArgs._fields)
 _INDEX = {name: i for i, name in enumerate(LayerArgs._fields)}
-# KernelSpec's arguments after the layer's: prepare_finalize kind, its args, group, experts kind, its args, quant...
-_PF, _PF_ARGS, _GROUP, _EXPERTS, _QUANT_DTYPE, _BLOCK_SHAPE, _WEIGHT_DTYPE = 0, 1, 2, 3, 5, 8, 9
 
 
 def inference_only(op: CustomOpDef) -> None:
@@ -34,37 +31,24 @@ def inference_only(op: CustomOpDef) -> None:
     op.register_autograd(backward)
 
 
-def check_layer_inputs_trainable(inputs: tuple) -> None:
-    """The layer op's arguments (``LayerArgs`` then ``KernelSpec``'s) describe a layer with a backward."""
-    spec = inputs[_NUM_LAYER_ARGS:]
-    check_trainable(LayerArgs(*inputs[:_NUM_LAYER_ARGS]), spec[_PF], spec[_EXPERTS], spec[_QUANT_DTYPE],
-                    spec[_WEIGHT_DTYPE])
-    check_recorded_call(LayerArgs(*inputs[:_NUM_LAYER_ARGS]), KernelSpec.from_args(*spec).quant)
-
-
-def spec_saves_preactivation(spec_args: tuple) -> bool:
-    """``saves_preactivation`` of a layer op call's ``KernelSpec`` arguments (``SPEC_SCHEMA``'s order)."""
-    quantized = (spec_args[_QUANT_DTYPE] or spec_args[_WEIGHT_DTYPE]) is not None
-    return saves_preactivation(spec_args[_PF], spec_args[_EXPERTS], quantized)
-
-
 def _layer_setup(ctx, inputs: tuple, output: torch.Tensor, preact: torch.Tensor | None = None) -> None:
-    """Save what the backward reads; ``preact``: the forward's saved pre-activation
-    (``tmoe::modular_forward_train``), else None (the backward recomputes it)."""
-    check_layer_inputs_trainable(inputs)
-    call = LayerArgs(*inputs[:_NUM_LAYER_ARGS])
+    """Save what the backward reads: the call's ``MoEProblem`` and tensors; ``preact``: the forward's
+    saved pre-activation (``tmoe::modular_forward_train``), else None (the backward recomputes it)."""
+    call, spec = split_op_args(inputs)
+    spec.check_trainable(call)
     ctx.num_inputs = len(inputs)
+    ctx.problem = check_layer_call(call, spec.quant)
     # expert parallelism: the backward gathers x, routing and grad_out of every rank, and sums the
     # input and router gradients back to the ranks that own the tokens. All-to-all: each rank pads
     # its tokens to max_tokens_per_rank first, and the slots the dispatch dropped take no gradient.
-    pf, pf_args = inputs[_NUM_LAYER_ARGS + _PF], inputs[_NUM_LAYER_ARGS + _PF_ARGS]
-    ctx.group = inputs[_NUM_LAYER_ARGS + _GROUP] if pf in ("allgather", "alltoall") else ""
+    pf, pf_args = spec.prepare_finalize, spec.prepare_finalize_args
+    ctx.group = spec.group_name if pf in ("allgather", "alltoall") else ""
     ctx.alltoall = (pf_args[0], pf_args[2]) if pf == "alltoall" else None  # (max_tokens_per_rank, capacity)
-    ctx.scheme = inputs[_NUM_LAYER_ARGS + _QUANT_DTYPE] or inputs[_NUM_LAYER_ARGS + _WEIGHT_DTYPE]
+    ctx.scheme = spec.quant.dtype_name or spec.quant.weight_dtype
     # frozen block-fp8 experts (QLoRA-style): the backward dequantizes the weights in its kernels
-    ctx.block_shape = inputs[_NUM_LAYER_ARGS + _BLOCK_SHAPE] if inputs[_NUM_LAYER_ARGS + _QUANT_DTYPE] else None
-    ctx.activation = call.activation_value()
-    ctx.options = (call.apply_router_weight_on_input, call.global_num_experts)
+    block_shape = spec.quant.block_shape if spec.quant.quant_dtype is not None else None
+    ctx.block_shape = list(block_shape) if block_shape else None
+    ctx.on_input = call.apply_router_weight_on_input
     ctx.save_for_backward(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, call.expert_map,
                           call.w1_bias, call.w2_bias, call.w1_scale, call.w2_scale, preact)
 
@@ -85,10 +69,8 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
         raise NotImplementedError(f"gradients through frozen quantized experts ({ctx.scheme}) are not supported yet "
                                   "(block fp8 is): run the quantized layer under torch.no_grad(), or train float experts")
     x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, w1_scale, w2_scale, preact = ctx.saved_tensors
-    act, (on_input, global_num_experts) = ctx.activation, ctx.options
-    needs = ctx.needs_input_grad
-    e_local = w1.shape[0]
-    num_experts = global_num_experts if global_num_experts > 0 else e_local
+    problem, on_input, needs = ctx.problem, ctx.on_input, ctx.needs_input_grad
+    act, e_local, num_experts = problem.activation, problem.num_local_experts, problem.num_experts
     num_local = e_local if expert_map is not None else None
     tmoe = torch.ops.tmoe
     m = x.shape[0]
@@ -103,34 +85,42 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
         topk_ids = kept_slot_ids(topk_ids, ctx.alltoall[0], ctx.alltoall[1], num_experts)
     topk_weights = topk_weights.contiguous()
     block_m = grad_block_m(num_experts)
-    sorted_ids, expert_ids, num_post_padded, offsets = tmoe.moe_grad_align(topk_ids.contiguous(), block_m,
-                                                                           num_experts, expert_map, num_local)
-    grad_h, inter, partial = tmoe.moe_grad_act(grad_out, x, w1, w2, topk_weights, sorted_ids, expert_ids,
-                                               num_post_padded, block_m, w1_bias, w2_bias, act.name, act.alpha,
-                                               act.limit, act.interleaved, on_input, w1_scale, w2_scale,
-                                               ctx.block_shape, preact)
+    sorted_ids, expert_ids, num_post_padded, offsets = tmoe.moe_grad_align(
+        topk_ids.contiguous(), block_m=block_m, num_experts=num_experts, expert_map=expert_map,
+        num_local_experts=num_local)
+    activation, swiglu_alpha, swiglu_limit, gate_up_interleaved = act.as_args()
+    grad_h, inter, partial = tmoe.moe_grad_act(
+        grad_out, x, w1, w2, topk_weights, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
+        num_tokens_post_padded=num_post_padded, block_m=block_m, w1_bias=w1_bias, w2_bias=w2_bias,
+        activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+        gate_up_interleaved=gate_up_interleaved, apply_router_weight_on_input=on_input, w1_scale=w1_scale,
+        w2_scale=w2_scale, block_shape=ctx.block_shape, preact=preact)
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
+    rows = dict(topk_weights=topk_weights, sorted_ids=sorted_ids, offsets=offsets, block_m=block_m, e_local=e_local,
+                expert_map=expert_map)
     # Each workspace is released once its last reader ran (the peak holds the gradients and grad_h
     # only): dW2 = sum go^T (w a) first (inter holds w a; a alone when the forward scaled the input)
-    _weight_grads(grads, needs, "w2", "w2_bias", w2_bias is not None, grad_out, inter, topk_weights, sorted_ids,
-                  offsets, block_m, e_local, True, False, not on_input, expert_map, stored_transposed(w2))
+    _weight_grads(grads, needs, "w2", "w2_bias", w2_bias is not None, left=grad_out, right=inter, tokens_left=True,
+                  scale_tokens=False, weighted_bias=not on_input, transposed=stored_transposed(w2), **rows)
     del inter
     if needs[_INDEX["hidden_states"]] or needs[_INDEX["topk_weights"]]:
-        grad_x, grad_w = tmoe.moe_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_ids, expert_ids,
-                                             num_post_padded, block_m, num_experts, expert_map, num_local, on_input,
-                                             w1_scale, ctx.block_shape)
+        grad_x, grad_w = tmoe.moe_grad_input(
+            grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
+            num_tokens_post_padded=num_post_padded, block_m=block_m, num_experts=num_experts, expert_map=expert_map,
+            num_local_experts=num_local, apply_router_weight_on_input=on_input, w1_scale=w1_scale,
+            block_shape=ctx.block_shape)
         if ctx.group:  # each rank's tokens collect their slots' gradients from every rank's experts
             grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group)[:m].to(grad_x.dtype)
             grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)[:m]
         grads[_INDEX["hidden_states"]], grads[_INDEX["topk_weights"]] = grad_x, grad_w
     del partial
     # dW1[e] = sum dh^T x (x times the router weight when the forward scaled the input)
-    _weight_grads(grads, needs, "w1", "w1_bias", w1_bias is not None, grad_h, x, topk_weights, sorted_ids, offsets,
-                  block_m, e_local, False, on_input, False, expert_map, stored_transposed(w1))
+    _weight_grads(grads, needs, "w1", "w1_bias", w1_bias is not None, left=grad_h, right=x, tokens_left=False,
+                  scale_tokens=on_input, weighted_bias=False, transposed=stored_transposed(w1), **rows)
     return tuple(grads)
 
 
-def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: bool, left: torch.Tensor,
+def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: bool, *, left: torch.Tensor,
                   right: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor, offsets: torch.Tensor,
                   block_m: int, e_local: int, tokens_left: bool, scale_tokens: bool, weighted_bias: bool,
                   expert_map: torch.Tensor | None, transposed: bool) -> None:
@@ -140,11 +130,14 @@ def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: b
     the parameter takes it without a transposing copy."""
     tmoe = torch.ops.tmoe
     if needs[_INDEX[weight]]:
-        grads[_INDEX[weight]] = tmoe.moe_grad_weight(left, right, topk_weights, sorted_ids, offsets, e_local,
-                                                     tokens_left, scale_tokens, block_m, expert_map, transposed)
+        grads[_INDEX[weight]] = tmoe.moe_grad_weight(
+            left, right, topk_weights, sorted_token_ids=sorted_ids, expert_offsets=offsets, num_local_experts=e_local,
+            tokens_left=tokens_left, scale_tokens=scale_tokens, block_m=block_m, expert_map=expert_map,
+            transposed=transposed)
     if has_bias and needs[_INDEX[bias]]:
-        grads[_INDEX[bias]] = tmoe.moe_grad_bias(left, topk_weights, sorted_ids, offsets, e_local, tokens_left,
-                                                 weighted_bias, expert_map)
+        grads[_INDEX[bias]] = tmoe.moe_grad_bias(
+            left, topk_weights, sorted_token_ids=sorted_ids, expert_offsets=offsets, num_local_experts=e_local,
+            tokens_left=tokens_left, weighted=weighted_bias, expert_map=expert_map)
 
 
 def register_layer_autograd(op: CustomOpDef) -> None:

@@ -4,20 +4,23 @@ expert parallelism's collectives (``ep_all_gather``, ``ep_reduce_scatter``), wit
 The layer op's autograd formula (``tmoe.ops.autograd``) calls them, so AOTAutograd traces the
 backward into the same graph as the forward. Shapes come from static sizes only; the block size
 of the backward's align is an argument, a pure function of the expert count (``grad_block_m``,
-computed by the autograd formula: no config lookup in traced code)."""
+computed by the autograd formula); each op picks its tiles inside its body and fake
+(``tmoe.config.backward``), as the forward ops do, never in code that dynamo traces."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from tmoe.config.backward import act_tiles, grad_act_blocks, input_tiles, weight_tiles
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
 from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.grad_checks import check_grad_act, check_grad_input, check_grad_weight, check_preact
-from tmoe.kernels.moe_grad_act import grad_act_blocks, moe_grad_act as _grad_act
+from tmoe.kernels.moe_grad_act import moe_grad_act as _grad_act
+from tmoe.kernels.moe_grad_bias import moe_grad_bias as _grad_bias
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
-from tmoe.kernels.moe_grad_weight import moe_grad_bias as _grad_bias, moe_grad_weight as _grad_weight
+from tmoe.kernels.moe_grad_weight import moe_grad_weight as _grad_weight
 from tmoe.kernels.operands import BlockScales
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
 from tmoe.modular.distributed import all_gather_rows, reduce_scatter_rows
@@ -57,30 +60,38 @@ def moe_grad_act(
     """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``;
     frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``;
     ``preact`` (M * topk, 2N): the forward's saved pre-activation (None: recomputed)."""
-    activation_value = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
-    check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
-                   w2_bias, activation_value)
+    act, scales = _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids,
+                                     num_tokens_post_padded, w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
+                                     gate_up_interleaved, w1_scale, w2_scale, block_shape, preact)
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
-                     num_tokens_post_padded,
-                     activation=activation_value,
+                     num_tokens_post_padded, activation=act, block_m=block_m, tiles=act_tiles(block_m),
                      apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
-                     block_m=block_m, weight_scales=BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape),
-                     preact=preact)
+                     weight_scales=scales, preact=preact)
+
+
+def _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                       w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, w1_scale,
+                       w2_scale, block_shape, preact) -> tuple[Activation, BlockScales | None]:
+    """``moe_grad_act``'s checks (op and fake): its ``Activation`` from the schema arguments, and the
+    frozen block-fp8 weights' scales (None for float weights)."""
+    act = Activation.from_args(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+    check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
+                   w2_bias, act)
+    scales = BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
+    check_preact(preact, x, w1, topk_weights)
+    return act, scales
 
 
 @moe_grad_act.register_fake
 def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
       w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
       w1_scale=None, w2_scale=None, block_shape=None, preact=None):
-    activation_value = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
-    check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
-                   w2_bias, activation_value)
-    BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
-    check_preact(preact, x, w1, topk_weights)
+    _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                       w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, w1_scale,
+                       w2_scale, block_shape, preact)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
-    return (new((p, activation_value.rows_per_n * n)), new((p, n)),
-            new((p, grad_act_blocks(n, block_m)), dtype=torch.float32))
+    return new((p, w1.shape[1])), new((p, n)), new((p, grad_act_blocks(n, block_m)), dtype=torch.float32)
 
 
 @torch.library.custom_op("tmoe::moe_grad_input", mutates_args=())
@@ -97,7 +108,8 @@ def moe_grad_input(
     return _grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
                        num_tokens_post_padded, num_experts, expert_map=expert_map,
                        num_local_experts=num_local_experts, apply_router_weight_on_input=apply_router_weight_on_input,
-                       block_m=block_m, weight_scales=_w1_scales(w1, w1_scale, block_shape))
+                       block_m=block_m, tiles=input_tiles(topk_ids.shape[0]),
+                       weight_scales=_w1_scales(w1, w1_scale, block_shape))
 
 
 def _w1_scales(w1: torch.Tensor, w1_scale: torch.Tensor | None, block_shape: list[int] | None) -> BlockScales | None:
@@ -126,7 +138,8 @@ def moe_grad_weight(
     _check_block_m(block_m)
     check_grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, tokens_left, expert_map)
     return _grad_weight(left, right, topk_weights, sorted_token_ids, expert_offsets, num_local_experts,
-                        tokens_left=tokens_left, scale_tokens=scale_tokens, row_align=block_m, expert_map=expert_map,
+                        tokens_left=tokens_left, scale_tokens=scale_tokens, row_align=block_m,
+                        tiles=weight_tiles(topk_weights.numel(), expert_offsets.shape[0] - 1), expert_map=expert_map,
                         transposed=transposed)
 
 

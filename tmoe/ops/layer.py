@@ -12,15 +12,9 @@ import torch
 
 from tmoe.kernels.checks import compile_visible
 from tmoe.modular.call import LayerArgs, layer_schema
-from tmoe.modular.checks import check_layer_call, check_no_overlap, saves_preactivation
-from tmoe.modular.kernel import SPEC_SCHEMA, KernelSpec, build
+from tmoe.modular.checks import check_layer_call, check_no_overlap
+from tmoe.modular.kernel import SPEC_SCHEMA, KernelSpec, build, split_op_args as _split
 from tmoe.ops.autograd import register_layer_autograd, register_train_autograd
-
-_NUM_LAYER_ARGS = len(LayerArgs._fields)
-
-
-def _split(args: tuple) -> tuple[LayerArgs, KernelSpec]:
-    return LayerArgs(*args[:_NUM_LAYER_ARGS]), KernelSpec.from_args(*args[_NUM_LAYER_ARGS:])
 
 
 @torch.library.custom_op("tmoe::modular_forward", mutates_args=(),
@@ -41,7 +35,7 @@ def _(*args):
 
 def _preact(call: LayerArgs, spec: KernelSpec) -> torch.Tensor:
     """The pre-activation's buffer (M * topk, W1's rows), after checking the call can save it."""
-    if not saves_preactivation(spec.prepare_finalize, spec.experts, spec.quant.quant_name is not None):
+    if not spec.saves_preactivation:
         raise ValueError(f"tmoe::modular_forward_train saves the pre-activation of TritonExperts behind "
                          f"NoEPPrepareAndFinalize with float weights; got {spec.prepare_finalize!r} + "
                          f"{spec.experts!r}, quant {spec.quant.quant_name}")

@@ -107,13 +107,18 @@ def _check_gemm(a, w, routing, block_m, activation: Activation | None, topk_weig
                              f"{tuple(topk_weights.shape)}")
 
 
+def _up_width(activation: Activation, w1: torch.Tensor) -> int:
+    """The up GEMM stage's output columns, N (this op's own inputs: no layer call checked them)."""
+    return activation.intermediate_size(w1.shape[1])
+
+
 def _gemm(a, w, routing, m, topk, a_row_div, block_m, activation: Activation | None, topk_weights, a_scale, w_scale,
           block_shape, out_dtype, w_zp=None, low_bit=None) -> torch.Tensor:
     """One expert GEMM with the tiles the layer uses at (M=m, E, N, K, topk); the up GEMM when
     ``activation`` is given."""
     num_slots = m * topk
     gated = activation is not None
-    n_out = activation.intermediate_size(w.shape[1]) if gated else w.shape[1]
+    n_out = _up_width(activation, w) if gated else w.shape[1]
     # the layer's (N, K), from a's width (low-bit weights pack theirs): w1 (E, 2N, K), w2 (E, K, N)
     n, k = (n_out, a.shape[-1]) if gated else (a.shape[-1], w.shape[1])
     if low_bit is not None:
@@ -146,7 +151,7 @@ def moe_gemm_up(
     ``w_zp``) their group scales (zero points), as the layer takes them."""
     routing = (sorted_token_ids, expert_ids, num_tokens_post_padded)
     m = hidden_states.shape[0]
-    act = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+    act = Activation.from_args(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
     low_bit = _low_bit(weight_dtype, group_size)
     _check_gemm(hidden_states, w1, routing, block_m, act, topk_weights, m * topk, "hidden_states", "w1", "K",
                 topk, a_scale=a_scale, w_scale=w_scale, w_zp=w_zp, low_bit=low_bit)
@@ -159,12 +164,11 @@ def _(hidden_states, w1, sorted_token_ids, expert_ids, num_tokens_post_padded, t
       topk_weights=None, a_scale=None, w_scale=None, block_shape=None, out_dtype=None, swiglu_alpha=None,
       swiglu_limit=None, gate_up_interleaved=False, w_zp=None, weight_dtype=None, group_size=0):
     m = hidden_states.shape[0]
-    act = Activation(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+    act = Activation.from_args(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
     _check_gemm(hidden_states, w1, (sorted_token_ids, expert_ids, num_tokens_post_padded), block_m, act,
                 topk_weights, m * topk, "hidden_states", "w1", "K", topk, a_scale, w_scale, w_zp,
                 _low_bit(weight_dtype, group_size))
-    return hidden_states.new_empty((m * topk, act.intermediate_size(w1.shape[1])),
-                                   dtype=out_dtype or hidden_states.dtype)
+    return hidden_states.new_empty((m * topk, _up_width(act, w1)), dtype=out_dtype or hidden_states.dtype)
 
 
 @torch.library.custom_op("tmoe::moe_gemm_down", mutates_args=())
