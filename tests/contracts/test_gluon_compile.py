@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent("""
         up, down = GemmConfig(bm, 128, 64, num_warps=8), GemmConfig(bm, 256, 64, num_warps=8)
         for name in names:
             act = Activation(name)
-            w = w1 if act.gated else w1[:, :n].contiguous()
+            w = w1 if act.mul else w1[:, :n].contiguous()
             for weights in (None, torch.empty(slots)):
                 invoke_gluon_grouped_gemm(x, w, inter, up, routing, 132, gated=True, activation=act,
                                           topk_weights=weights)

@@ -188,7 +188,7 @@ def gluon_grouped_fits(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, conf
     multiple of block_n (tiles stay inside an expert), gate and up not interleaved, block_m 64 or
     128. The other cases (block scales, fused output quantization) keep the ``tl`` core."""
     n_w = w.shape[1]
-    mul = gated and (activation or Activation()).gated
+    mul = gated and (activation or Activation()).mul
     n = n_w // 2 if mul else n_w
     fp8 = a.dtype == torch.float8_e4m3fn
     return (a.dtype in GL_DTYPES and w.dtype == a.dtype and out.dtype in (torch.bfloat16, torch.float16)
@@ -211,7 +211,7 @@ def invoke_gluon_grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tenso
     (E, N_w), ``pre_out`` (gated: (num_slots, N_w), the saved pre-activation). ``programs``:
     persistent programs (the SM count)."""
     act = (activation or Activation()) if gated else None
-    mul = act is not None and act.gated
+    mul = act is not None and act.mul
     e, n_w, k = w.shape
     n = n_w // 2 if mul else n_w
     bm, bn, bk = config.block_m, config.block_n, config.block_k
