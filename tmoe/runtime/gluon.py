@@ -1,9 +1,9 @@
 """Where the Gluon engine runs: an sm_90 GPU (Hopper: wgmma and TMA; not the interpreter, not other
 architectures) with a Triton whose Gluon API tmoe's engine compiles with (3.6 through 3.9), read
 once per device index. By default it runs the grouped up GEMM, where it measured faster than the
-``tl`` core (H100: 1.10-1.13x at Mixtral-8x7B M = 1024 and 4096, even at Qwen3-30B-A3B), and not
-the down GEMM, where it measured slower (0.92-0.96x at Mixtral; ``bench/results/bench_moe.csv``,
-providers ``tmoe.up[gluon]`` and ``tmoe.down[gluon]``). ``TMOE_GLUON=1`` or
+``tl`` core (H100: 1.13-1.18x at Mixtral-8x7B M = 1024 and 4096, 1.17x at Qwen3-30B-A3B M = 4096),
+and not the down GEMM, where it measured slower but at Mixtral M = 1024 (0.72-0.96x;
+``python bench/repro_gluon_grouped.py``, ``bench/results/gluon_grouped.csv``). ``TMOE_GLUON=1`` or
 ``override_engine("gluon")`` run both GEMMs on it; ``TMOE_GLUON=0`` or ``override_engine("tl")``
 neither."""
 from __future__ import annotations
