@@ -37,7 +37,7 @@ register()
 register_fp8()
 
 __all__ = ["SUPPORTED_EXPERTS", "TmoeExperts", "TmoeLlama4TextMoe", "TmoeMxfp4GptOssMLP", "replace_moe_blocks"]
-# The oldest release on which tests/test_transformers.py found every supported family it ships either
+# The oldest release on which tests/integrations/test_transformers.py found every supported family it ships either
 # matching stock or refused with a reason (run on 5.15.1 to 5.25.0). Older: 5.0 passes PhiMoE and
 # HunYuan-MoE experts dense (T, E) routing weights; 4.x keeps experts as per-expert modules.
 MIN_TRANSFORMERS = (5, 15)

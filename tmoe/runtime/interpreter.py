@@ -2,7 +2,7 @@
 a tmoe launcher runs.
 
 Each one makes the interpreter compute what a GPU computes; kernel code is never changed for
-them. All are present in Triton 3.6.0 through 3.9.0 (``tests/test_interpreter.py`` checks that
+them. All are present in Triton 3.6.0 through 3.9.0 (``tests/runtime/test_interpreter.py`` checks that
 the unpatched interpreter still shows each fault, so a fixed one is noticed and dropped):
 
 * fp32 -> bf16 casts truncate instead of rounding to nearest even, fp32 -> fp8 casts drop the
