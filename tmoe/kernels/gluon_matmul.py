@@ -5,6 +5,8 @@ output tiles in grouped order (``GROUP_M`` row blocks per column sweep); a one-w
 A and B tiles by TMA; the consumer warp groups multiply and store through TMA."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -75,11 +77,15 @@ def _gluon_dense_kernel(a_desc, b_desc, c_desc, M, N, K, NUM_PROGRAMS: gl.conste
     ], [1], [LOADER_REGS])
 
 
+@functools.cache
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
+
+
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A Gluon TMA descriptor of 2-D ``t`` (last dim contiguous, 16-byte aligned rows) with an
-    NVMMA-swizzled shared layout for ``block``."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[t.dtype])
-    return TensorDescriptor.from_tensor(t, block, layout)
+    NVMMA-swizzled shared layout for ``block`` (built once per block and dtype)."""
+    return TensorDescriptor.from_tensor(t, block, _shared_layout(tuple(block), t.dtype))
 
 
 def max_registers(num_warps: int) -> int:
