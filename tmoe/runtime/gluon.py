@@ -5,7 +5,7 @@ once per device index. By default it runs the grouped up GEMM, where it measured
 and not the down GEMM, where it measured slower but at Mixtral M = 1024 (0.72-0.96x;
 ``python bench/repro_gluon_grouped.py``, ``bench/results/gluon_grouped.csv``). ``TMOE_GLUON=1`` or
 ``override_engine("gluon")`` run both GEMMs on it; ``TMOE_GLUON=0`` or ``override_engine("tl")``
-neither. The input gradient's GEMM (``gluon_grad_input``) runs on it only when asked for."""
+neither."""
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +42,8 @@ DEFAULT_GEMMS = ("up", )  # the grouped GEMMs the engine runs unless told otherw
 
 
 def gluon_ready(device: torch.device, gemm: str) -> bool:
-    """The Gluon engine can run on ``device`` and is wanted for GEMM ``gemm`` ("up" or "down" of the
-    grouped route, "dx" the input gradient's; see the module docstring)."""
+    """The Gluon engine can run on ``device`` and is wanted for grouped GEMM ``gemm`` ("up" or
+    "down"; see the module docstring)."""
     asked = _OVERRIDE[-1] if _OVERRIDE else {"1": "gluon", "0": "tl"}.get(os.environ.get("TMOE_GLUON", ""))
     if asked == "tl" or (asked is None and gemm not in DEFAULT_GEMMS):
         return False
