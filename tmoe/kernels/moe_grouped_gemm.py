@@ -133,9 +133,9 @@ def invoke_grouped_gemm(
     (``persistent`` and ``tma`` implied; stages and block_k fitted to shared memory). ``pre_out``
     (gated; (num_slots, N_w) contiguous): each slot's pre-activation is stored there too, as
     ``invoke_moe_gemm``'s. Shapes were checked by the caller. On Hopper, where ``tmoe.runtime.gluon``
-    wants it (the up GEMM by default), all but block scales and the fused output quantization run on
+    wants it (the float up GEMM by default), all but block scales and the fused output quantization run on
     the warp-specialized Gluon engine (``gluon_grouped``), the same math; else on this module's ``tl`` kernel."""
-    if (gluon_grouped is not None and out_scale is None and gluon_ready(a.device, "up" if gated else "down")
+    if (gluon_grouped is not None and out_scale is None and gluon_ready(a.device, ("up" if gated else "down") + (".fp8" if scales is not None else ""))
             and gluon_grouped.gluon_grouped_fits(a, w, out, config, activation, gated, scales)):
         return gluon_grouped.invoke_gluon_grouped_gemm(
             a, w, out, config, routing, sm_count(a.device), gated=gated, activation=activation,
