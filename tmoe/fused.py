@@ -28,6 +28,10 @@ def _default_spec(quant_config: FusedMoEQuantConfig, batch_invariant: bool | Non
     return spec
 
 
+for _flag in (None, True, False):  # the unquantized specs exist before dynamo first traces a call: their
+    _default_spec(_NO_QUANT, _flag)  # lookup never adds to the dict it guards on (a recompile)
+
+
 def optional_bool(name: str, value: object) -> bool | None:
     """``value`` if it is None or a bool, else a TypeError naming the argument."""
     if value is not None and not isinstance(value, bool):
