@@ -14,16 +14,29 @@ from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, needs_g
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 _NO_QUANT = FusedMoEQuantConfig()
-_DEFAULT_SPECS: dict[FusedMoEQuantConfig, KernelSpec] = {}
+_DEFAULT_SPECS: dict[tuple[FusedMoEQuantConfig, bool | None], KernelSpec] = {}
 
 
-def _default_spec(quant_config: FusedMoEQuantConfig) -> KernelSpec:
+def _default_spec(quant_config: FusedMoEQuantConfig, batch_invariant: bool | None) -> KernelSpec:
     """NoEPPrepareAndFinalize() + TritonExperts(quant_config); the chunk size 0 means TMOE_CHUNK_SIZE
-    (read inside the op)."""
-    spec = _DEFAULT_SPECS.get(quant_config)
+    and batch_invariant None the context's (both read inside the op)."""
+    key = (quant_config, batch_invariant)
+    spec = _DEFAULT_SPECS.get(key)
     if spec is None:
-        spec = _DEFAULT_SPECS[quant_config] = KernelSpec.of(NoEPPrepareAndFinalize(), TritonExperts(quant_config))
+        spec = _DEFAULT_SPECS[key] = KernelSpec.of(NoEPPrepareAndFinalize(), TritonExperts(quant_config),
+                                                   batch_invariant=batch_invariant)
     return spec
+
+
+for _flag in (None, True, False):  # the unquantized specs exist before dynamo first traces a call: their
+    _default_spec(_NO_QUANT, _flag)  # lookup never adds to the dict it guards on (a recompile)
+
+
+def optional_bool(name: str, value: object) -> bool | None:
+    """``value`` if it is None or a bool, else a TypeError naming the argument."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool or None, got {value!r}")
+    return value
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
@@ -91,6 +104,7 @@ def fused_experts(
     inplace: bool = False,
     quant_config: FusedMoEQuantConfig | None = None,
     save_preactivation: bool = True,
+    batch_invariant: bool | None = None,
     **options,
 ) -> torch.Tensor:
     """out[m] = sum_t topk_weights[m, t] * w2[e] @ (act(w1[e, :N] @ x[m]) * (w1[e, N:] @ x[m])), e = topk_ids[m, t]
@@ -112,6 +126,10 @@ def fused_experts(
             pre-activation (M * topk * 2N values, as torch autograd of the eager layer does) and the
             backward reads it; False: the backward recomputes it from x and w1 (less memory, one more
             GEMM). Float experts without expert parallelism only; other layers always recompute.
+        batch_invariant: True: each token's output row (and, training, its input-gradient row) is
+            the same bits whatever the other tokens, their number and its position
+            (``docs/numerics.md``); per-tensor fp8 then needs static ``a1_scale``/``a2_scale``.
+            None: ``tmoe.batch_invariant()`` or ``TMOE_BATCH_INVARIANT``, read at each call.
         **options: the other fields of ``tmoe.modular.LayerArgs``: ``activation`` (gated: "silu",
             "gelu", "gelu_tanh", "swigluoai"; non-gated: "silu_no_mul", "gelu_no_mul",
             "relu2_no_mul"), ``swiglu_alpha``/``swiglu_limit`` (swigluoai's alpha and limit,
@@ -136,6 +154,7 @@ def fused_experts(
         raise TypeError(f"quant_config must be a tmoe.FusedMoEQuantConfig (e.g. FusedMoEQuantConfig(torch.float8_e4m3fn)), "
                         f"got {quant_config!r}")
     save_preactivation = boolean("save_preactivation", save_preactivation)  # checked on every path
+    spec = _default_spec(quant_config, optional_bool("batch_invariant", batch_invariant))
     if takes_op_path(args):
-        return run_layer_op(args, _default_spec(quant_config), inplace, save_preactivation)
-    return run_layer(args, _default_spec(quant_config), inplace)
+        return run_layer_op(args, spec, inplace, save_preactivation)
+    return run_layer(args, spec, inplace)

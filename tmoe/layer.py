@@ -11,7 +11,7 @@ from torch import nn
 
 from tmoe.kernels.checks import FLOAT_DTYPES, boolean, positive_int
 from tmoe.kernels.activation import Activation
-from tmoe.fused import float32_router_weights, takes_op_path, run_layer, run_layer_op
+from tmoe.fused import float32_router_weights, optional_bool, takes_op_path, run_layer, run_layer_op
 from tmoe.modular import (
     ExpertParallel, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize, KernelSpec, NoEPPrepareAndFinalize,
     TritonExperts,
@@ -33,14 +33,18 @@ class FusedMoEModularKernel(nn.Module):
     (``KernelSpec``); M is split in chunks of ``chunk_size`` tokens (default ``TMOE_CHUNK_SIZE``
     or 32768) when the experts support it, reusing one workspace.
     ``save_preactivation``: training saves the up GEMM's pre-activation for the backward (as
-    ``tmoe.fused_experts``' keyword; False: recompute it).
+    ``tmoe.fused_experts``' keyword; False: recompute it). ``batch_invariant``: run every call in the
+    batch-invariant mode (True), never (False), or as ``tmoe.batch_invariant()`` /
+    ``TMOE_BATCH_INVARIANT`` say at each call (None; ``tmoe.fused_experts``' keyword).
     """
 
     def __init__(self, prepare_finalize: FusedMoEPrepareAndFinalize, fused_experts: FusedMoEPermuteExpertsUnpermute,
-                 chunk_size: int | None = None, *, save_preactivation: bool = True) -> None:
+                 chunk_size: int | None = None, *, save_preactivation: bool = True,
+                 batch_invariant: bool | None = None) -> None:
         super().__init__()
         chunk_size = default_chunk_size() if chunk_size is None else positive_int("chunk_size", chunk_size)
-        self.spec = KernelSpec.of(prepare_finalize, fused_experts, chunk_size)
+        self.batch_invariant = optional_bool("batch_invariant", batch_invariant)
+        self.spec = KernelSpec.of(prepare_finalize, fused_experts, chunk_size, self.batch_invariant)
         self.prepare_finalize, self.fused_experts, self.chunk_size = prepare_finalize, fused_experts, chunk_size
         self.save_preactivation = boolean("save_preactivation", save_preactivation)
 
@@ -53,7 +57,8 @@ class FusedMoEModularKernel(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{type(self.prepare_finalize).__name__} + {type(self.fused_experts).__name__}, "
-                f"chunk_size={self.chunk_size}, save_preactivation={self.save_preactivation}")
+                f"chunk_size={self.chunk_size}, save_preactivation={self.save_preactivation}, "
+                f"batch_invariant={self.batch_invariant}")
 
     def warmup(self, max_tokens: int, w1: torch.Tensor, w2: torch.Tensor, topk: int, **kwargs) -> None:
         """Compile every kernel variant for 1..max_tokens tokens (powers of two and max_tokens)
@@ -99,6 +104,13 @@ class FusedMoE(nn.Module):
     and this rank holds its E_local = E / W of them: ``w1``/``w2`` are (E_local, ...) in local-id
     order, the router stays (E, hidden), and the default kernel is the mode's (all-to-all or
     all-gather). ``from_experts`` takes every expert's weights and keeps this rank's.
+
+    The router and expert weights require grad as constructed (``nn.Module``'s convention: an
+    optimizer given ``parameters()`` trains them); under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` nothing is recorded and the call is the inference call.
+    ``e_score_correction_bias`` takes no gradient (a load-balancing rule updates it) and is frozen.
+    ``batch_invariant`` (None, True, False): the default kernel's mode (``FusedMoEModularKernel``); a
+    ``kernel`` given takes its own.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, topk: int, *,
@@ -107,7 +119,8 @@ class FusedMoE(nn.Module):
                  score_correction_bias: bool = False, router: bool = True, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, kernel: FusedMoEModularKernel | None = None,
                  expert_parallel: ExpertParallel | None = None, swiglu_alpha: float | None = None,
-                 swiglu_limit: float | None = None, gate_up_interleaved: bool = False) -> None:
+                 swiglu_limit: float | None = None, gate_up_interleaved: bool = False,
+                 batch_invariant: bool | None = None) -> None:
         super().__init__()
         e = positive_int("num_experts", num_experts)
         k, n = positive_int("hidden_size", hidden_size), positive_int("intermediate_size", intermediate_size)
@@ -121,19 +134,22 @@ class FusedMoE(nn.Module):
         self.activation = act
         self.routing = RouterConfig(topk, scoring, renormalize, num_expert_group, topk_group, routed_scaling_factor)
         make = dict(dtype=dtype, device=device)
-        self.router_weight = nn.Parameter(torch.randn(e, k, **make) / k**0.5, requires_grad=False) if router else None
+        self.router_weight = nn.Parameter(torch.randn(e, k, **make) / k**0.5) if router else None
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(e, device=device), requires_grad=False)
                                         if score_correction_bias else None)
         self.num_experts, self.expert_parallel = e, expert_parallel
         e_local = e if expert_parallel is None else expert_parallel.num_local_experts(e)
-        self.w1 = nn.Parameter(torch.randn(e_local, act.rows_per_n * n, k, **make) / k**0.5,
-                               requires_grad=False)
-        self.w2 = nn.Parameter(torch.randn(e_local, k, n, **make) / n**0.5, requires_grad=False)
+        self.w1 = nn.Parameter(torch.randn(e_local, act.rows_per_n * n, k, **make) / k**0.5)
+        self.w2 = nn.Parameter(torch.randn(e_local, k, n, **make) / n**0.5)
         if expert_parallel is not None:
             self.register_buffer("expert_map", expert_parallel.expert_map(e, device), persistent=False)
+        if kernel is not None and batch_invariant is not None:
+            raise ValueError("batch_invariant= sets the default kernel's mode: pass it to the FusedMoEModularKernel "
+                             "given as kernel= instead")
+        bi = dict(batch_invariant=optional_bool("batch_invariant", batch_invariant))
         if kernel is None and expert_parallel is not None:
-            kernel = FusedMoEModularKernel(*expert_parallel.kernel_parts(e))
-        self.kernel = kernel or FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts())
+            kernel = FusedMoEModularKernel(*expert_parallel.kernel_parts(e), **bi)
+        self.kernel = kernel or FusedMoEModularKernel(NoEPPrepareAndFinalize(), TritonExperts(), **bi)
 
     @classmethod
     def from_experts(cls, gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor], topk: int,

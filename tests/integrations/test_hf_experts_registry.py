@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import tmoe.integrations.transformers  # noqa: E402,F401  (registers "tmoe")
+import tmoe  # noqa: E402
 from tests.integrations.hf_tiny import (  # noqa: E402
     DEVICE, FAMILIES, TINY, UNBUILT, experts_of, output, random_tokens, registry_classes, tiny_model,
 )
@@ -140,3 +141,28 @@ def test_post_expert_norm_is_named():
     """``has_post_expert_norm`` is refused with that reason (its norm is not in tmoe's kernels)."""
     experts = experts_of(tiny_model("muse_spark_text"), "MuseSparkExperts")[0]
     assert "has_post_expert_norm" in layout_of(experts)
+
+
+def test_batch_invariant_rows_in_generate_and_training():
+    """``set_batch_invariant``: a sequence's MoE rows (the experts module's, given the same rows:
+    torch's CPU attention is not batch-invariant) are the same bits alone, at the end of a batch of
+    three sequences, and in the training forward (grad enabled)."""
+    model = tiny_model("qwen3_moe", "tmoe").eval()
+    experts = experts_of(model, "Qwen3MoeExperts")
+    assert tmoe.integrations.transformers.set_batch_invariant(model) == len(experts) > 0
+    assert all(getattr(m, hf_registry.BATCH_INVARIANT) is True for m in experts)
+    calls = []
+    hook = experts[0].register_forward_hook(lambda mod, args, out: calls.append((args, out.detach())))
+    tokens = random_tokens(3, 6)
+    with torch.no_grad():
+        model(tokens[:1])
+        model(tokens)
+    hook.remove()
+    (one, out1), (three, _) = calls
+    mixed = [torch.cat([b, a]) for a, b in zip(one, three)]  # the sequence's rows last
+    with torch.no_grad():
+        served = experts[0](*mixed)
+    x = mixed[0].clone().requires_grad_()
+    trained = experts[0](x, *mixed[1:])
+    assert trained.grad_fn is not None
+    assert torch.equal(served[-6:], out1) and torch.equal(trained[-6:].detach(), out1)

@@ -135,7 +135,7 @@ def _args(**over):
         (lambda: dict(w2=torch.randn(4, 64, 60)), {}, ValueError, "w2"),
         (lambda: dict(topk_ids=torch.zeros(4, 2)), {}, TypeError, "topk_ids"),
         (lambda: dict(topk_ids=torch.zeros(5, 2, dtype=torch.int32)), {}, ValueError, "topk_ids"),
-        (lambda: dict(topk_weights=torch.ones(4, 2, dtype=torch.bfloat16)), {}, TypeError, "topk_weights"),
+        (lambda: dict(topk_weights=torch.ones(4, 2, dtype=torch.float64)), {}, TypeError, "topk_weights"),  # bf16 is cast
         (lambda: dict(topk_weights=torch.ones(4, 3)), {}, ValueError, "topk_weights"),
         (lambda: dict(topk_ids=torch.zeros(4, 4, dtype=torch.int32)[:, ::2]), {}, ValueError, "topk_ids"),
         (dict, dict(activation="relu"), ValueError, "activation"),

@@ -1,4 +1,6 @@
 """tmoe.FusedMoE: router + experts against a per-expert PyTorch block, eager and compiled."""
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -54,3 +56,23 @@ def test_deepseek_style_routing_and_compile():
         assert_close(compiled(x), ref, torch.float32, name=f"compiled(M={m})")
         frames.append(counter.frame_count)
     assert frames[0] == frames[-1], f"recompiled: frames per call {frames}"  # fullgraph: no breaks either
+
+
+def test_parameters_train_as_constructed_and_inference_pays_nothing():
+    """FusedMoE's router and expert weights require grad as built (an optimizer given ``parameters()``
+    trains them); under no_grad and inference_mode no graph is recorded and the output is the frozen
+    layer's, bitwise."""
+    moe = tmoe.FusedMoE(num_experts=4, hidden_size=64, intermediate_size=64, topk=2, dtype=torch.float32,
+                        device=DEVICE)
+    assert all(p.requires_grad for p in (moe.router_weight, moe.w1, moe.w2))
+    x = torch.randn(5, 64, device=DEVICE)
+    frozen = copy.deepcopy(moe).requires_grad_(False)
+    ref = frozen(x)
+    assert ref.grad_fn is None
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            out = moe(x)
+        assert out.grad_fn is None and not out.requires_grad
+        assert torch.equal(out, ref)
+    moe(x).square().mean().backward()
+    assert all(p.grad is not None for p in (moe.router_weight, moe.w1, moe.w2))

@@ -31,6 +31,18 @@ def _dot_kernel(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
 
 
 @triton.jit
+def _k_loop_kernel(a_ptr, b_ptr, c_ptr, M, K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k, offs_n = tl.arange(0, BLOCK_K), tl.arange(0, N)
+    acc = tl.zeros((BLOCK_M, N), tl.float32)  # [BM, N]
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + offs_m[:, None] * K + k + offs_k[None, :], mask=offs_m[:, None] < M, other=0.0)
+        acc = tl.dot(a, tl.load(b_ptr + (k + offs_k[:, None]) * N + offs_n[None, :]), acc)
+    tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=offs_m[:, None] < M)
+
+
+@triton.jit
 def _cast_kernel(x_ptr, y_ptr, N: tl.constexpr):
     offs = tl.arange(0, N)
     tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(y_ptr.dtype.element_ty))
@@ -277,3 +289,23 @@ def test_topk_route_prints_no_numpy_warning(scoring):
         tmoe.topk_route(logits, 2, scoring=scoring)
         tmoe.topk_route(logits, 2, scoring=scoring, num_expert_group=2, topk_group=1,
                         e_score_correction_bias=torch.zeros(6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dot_rows_do_not_depend_on_the_tile(dtype):
+    """A K loop's row is the same bits whatever the other rows, the row's place in the tile, the
+    tile's M extent and block_k (the interpreter's BLAS sgemm sums a row in a position-dependent order
+    and rounds once per K tile; a GPU chains the products into the accumulator in ascending k)."""
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(128, 32, generator=g).to(dtype)
+    probe = torch.randn(1, 128, generator=g).to(dtype)
+    results = []
+    for m, row, block_m, block_k in ((1, 0, 16, 128), (5, 3, 16, 16), (40, 37, 32, 64), (70, 9, 64, 32)):
+        a = torch.randn(m, 128, generator=g).to(dtype)
+        a[row] = probe[0]
+        c = torch.zeros(m, 32)
+        with interpreter_fixes():
+            _k_loop_kernel[(triton.cdiv(m, block_m),)](a, b, c, m, K=128, N=32, BLOCK_M=block_m, BLOCK_K=block_k)
+        results.append(c[row])
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert_close(results[0], (probe.double() @ b.double())[0].float(), torch.float32)

@@ -15,6 +15,9 @@ from typing import Iterator
 import torch
 
 from tmoe.config.backward import override_backward_tiles
+from tmoe.config.invariant import (
+    batch_invariant, batch_invariant_requested, invariant_block_k, pin_block_k, resolve_batch_invariant,
+)
 from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
 from tmoe.kernels.route import Route
 from tmoe.kernels.sizes import cdiv
@@ -165,8 +168,15 @@ def override_route(route: str | Route) -> Iterator[None]:
 
 def config_state() -> tuple:
     """Everything beside the static sizes that a config, route or launch lookup reads: the active
-    overrides, ``TMOE_CONFIG_DIR`` and the PDL switch (callers that cache per call signature key on it too)."""
-    return tuple(_OVERRIDE), tuple(_ROUTE_OVERRIDE), os.environ.get("TMOE_CONFIG_DIR"), pdl_requested()
+    overrides, ``TMOE_CONFIG_DIR``, the PDL switch and the batch-invariant mode (callers that cache
+    per call signature key on it too)."""
+    return (tuple(_OVERRIDE), tuple(_ROUTE_OVERRIDE), os.environ.get("TMOE_CONFIG_DIR"), pdl_requested(),
+            batch_invariant_requested())
+
+
+def route_forced() -> bool:
+    """Whether ``override_route`` forces the route of the calls now."""
+    return bool(_ROUTE_OVERRIDE)
 
 
 def use_direct_route(m: int, topk: int) -> bool:
@@ -217,15 +227,19 @@ def grouped_config(block_shape: tuple[int, int] | None = None, fp8: bool = False
                      GemmConfig(128, 256, bk, num_warps=8, num_stages=3, tma=True, persistent=True))
 
 
-def fused_decode_config(m: int, n: int, k: int, topk: int, device: torch.device) -> GemmConfig:
+def fused_decode_config(m: int, n: int, k: int, topk: int, device: torch.device,
+                        batch_invariant: bool = False) -> GemmConfig:
     """Tiles of the fused decode kernel: the widest block_n of intermediate columns (128, 64, 32;
     at least 32: a 4-bit down step splits it into even and odd halves of 16) that still gives one
-    program per SM (one program per slot and block), K steps of 128. Under ``override_config``: the
-    forced up GEMM's block_n (at least 32), block_k, warps and stages."""
+    program per SM (one program per slot and block), K steps of 128. ``batch_invariant``: the
+    block_n of one token at every M (the down GEMM adds one partial sum per block of intermediate
+    columns, so block_n sets the rounding). Under ``override_config``: the forced up GEMM's block_n
+    (at least 32), block_k, warps and stages."""
     if _OVERRIDE:
         up = _OVERRIDE[-1].up
         return GemmConfig(16, max(32, up.block_n), up.block_k, num_warps=up.num_warps, num_stages=up.num_stages)
-    bn = next((b for b in (128, 64) if m * topk * cdiv(n, b) >= _sms(device)), 32)
+    slots = topk if batch_invariant else m * topk
+    bn = next((b for b in (128, 64) if slots * cdiv(n, b) >= _sms(device)), 32)
     return GemmConfig(16, bn, 128, num_warps=4, num_stages=4)
 
 
@@ -242,7 +256,7 @@ def direct_down_config(cfg: MoEConfig, m: int, k: int, device: torch.device,
 
 def get_config(
     m: int, e: int, n: int, k: int, topk: int, device: torch.device, quant: str | None = None,
-    block_shape: tuple[int, int] | None = None, group_size: int | None = None,
+    block_shape: tuple[int, int] | None = None, group_size: int | None = None, batch_invariant: bool = False,
 ) -> MoEConfig:
     """The tile config for a layer of ``e`` experts, ``w1 (e, 2n, k)``, at ``m`` tokens.
 
@@ -251,15 +265,20 @@ def get_config(
     ``int4_w4a16``, ``int8_w8a16``, ``mxfp4_w4a16``); ``block_shape`` (block quantization) names
     the table too and caps block_k at the group; ``group_size`` (low-bit weights) turns the
     heuristic's TMA off (any block_k runs, over one group or several: ``dequant.dequant_dot``).
-    Lookups are cached per key.
+    ``batch_invariant``: block_k pinned to one value per GEMM and scheme at every M
+    (``invariant_block_k``). Lookups are cached per key.
     """
     if _OVERRIDE:
         return _OVERRIDE[-1]
     bs = tuple(block_shape) if block_shape else None
-    return _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"), group_size,
-                   _sms(device))
+    cfg = _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"), group_size,
+                  _sms(device))
+    if batch_invariant:
+        cfg = pin_block_k(cfg, *invariant_block_k(bs, quant is not None and quant.startswith("fp8"), group_size, k, n))
+    return cfg
 
 
-__all__ = ["GemmConfig", "MoEConfig", "config_file_name", "config_state", "direct_down_config", "get_config",
+__all__ = ["GemmConfig", "MoEConfig", "batch_invariant", "batch_invariant_requested", "config_file_name",
+           "config_state", "resolve_batch_invariant", "route_forced", "direct_down_config", "get_config",
            "grouped_config", "override_backward_tiles", "override_config", "override_pdl", "override_route", "read_table", "save_table",
            "use_direct_route", "use_fused_route", "use_grouped_route", "fused_decode_config"]

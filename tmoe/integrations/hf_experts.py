@@ -178,6 +178,12 @@ class TmoeExperts(nn.Module):
             parts = expert_parallel.kernel_parts(e)
         self.kernel = FusedMoEModularKernel(*parts)
 
+    def set_batch_invariant(self, enabled: bool | None) -> None:
+        """The kernel's batch-invariant mode (``tmoe.FusedMoEModularKernel``'s ``batch_invariant``)."""
+        k = self.kernel
+        self.kernel = FusedMoEModularKernel(k.prepare_finalize, k.fused_experts, k.chunk_size,
+                                            save_preactivation=k.save_preactivation, batch_invariant=enabled)
+
     def run(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             weight_on_input: bool = False) -> torch.Tensor:
         """x (T, H), top_k_index/top_k_weights (T, k) -> (T, H); ``weight_on_input`` scales each

@@ -4,7 +4,8 @@
 reads the class's flags, gating and weights as stored (``tmoe.integrations.hf_layout``) and calls
 ``tmoe.fused_experts``, so autograd reaches the module's own Parameters. A module tmoe cannot run
 (a post-expert norm, an activation or gating tmoe lacks) runs its class's own forward, with a
-warning naming why, once per class and reason.
+warning naming why, once per class and reason. ``set_batch_invariant(model, True)`` runs a model's
+experts in tmoe's batch-invariant mode (``tmoe.batch_invariant()`` does it for every call in a block).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tmoe.fused import fused_experts
 from tmoe.integrations.hf_layout import ExpertsLayout, eager_forward, layout_of
 
 NAME = "tmoe"
+BATCH_INVARIANT = "tmoe_batch_invariant"  # the experts module's attribute set_batch_invariant writes
 _WARNED: set[tuple[str, str]] = set()
 
 
@@ -61,7 +63,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     w1, w2, b1, b2 = layout.weights(self)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     out = fused_experts(x.to(w1.dtype), w1, w2, top_k_weights.reshape(x.shape[0], -1).float().contiguous(),
-                        top_k_index.reshape(x.shape[0], -1).contiguous(), w1_bias=b1, w2_bias=b2, **layout.options())
+                        top_k_index.reshape(x.shape[0], -1).contiguous(), w1_bias=b1, w2_bias=b2,
+                        batch_invariant=getattr(self, BATCH_INVARIANT, None), **layout.options())
     return out.to(hidden_states.dtype).view(hidden_states.shape)
 
 

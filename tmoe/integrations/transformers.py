@@ -7,6 +7,10 @@ that carries ``@use_experts_implementation`` on tmoe, for inference and training
 experts registry (``tmoe.integrations.hf_fp8``): fine-grained fp8 checkpoints run tmoe's block-fp8
 layer, for inference.
 
+``set_batch_invariant(model, True)`` (or ``replace_moe_blocks(..., batch_invariant=True)``) runs the
+model's tmoe experts in the batch-invariant mode: a token's MoE output is the same bits in
+``generate`` at any batch size and in the training forward (``docs/huggingface.md``).
+
 ``replace_moe_blocks`` covers what the registry does not (families without the decorator, fused
 router blocks) by swapping modules in place, for inference. ``SUPPORTED_EXPERTS``
 (in ``tmoe.integrations.hf_experts``) lists the classes tmoe runs and how each is laid out. The
@@ -31,12 +35,14 @@ from tmoe.integrations.hf_experts import (
     SUPPORTED_EXPERTS, TmoeExperts, TmoeLlama4TextMoe, TmoeMxfp4GptOssMLP, unsupported_reason,
 )
 from tmoe.integrations.hf_fp8 import register as register_fp8
-from tmoe.integrations.hf_registry import register
+from tmoe.fused import optional_bool
+from tmoe.integrations.hf_registry import BATCH_INVARIANT, register
 
 register()
 register_fp8()
 
-__all__ = ["SUPPORTED_EXPERTS", "TmoeExperts", "TmoeLlama4TextMoe", "TmoeMxfp4GptOssMLP", "replace_moe_blocks"]
+__all__ = ["SUPPORTED_EXPERTS", "TmoeExperts", "TmoeLlama4TextMoe", "TmoeMxfp4GptOssMLP", "replace_moe_blocks",
+           "set_batch_invariant"]
 # The oldest release on which tests/integrations/test_transformers.py found every supported family it ships either
 # matching stock or refused with a reason (run on 5.15.1 to 5.25.0). Older: 5.0 passes PhiMoE and
 # HunYuan-MoE experts dense (T, E) routing weights; 4.x keeps experts as per-expert modules.
@@ -60,7 +66,26 @@ def _looks_like_experts(name: str, module: nn.Module) -> bool:
         attr == "experts" and isinstance(module, (nn.ModuleList, nn.ModuleDict)))
 
 
-def _swap(model: nn.Module, name: str, module: nn.Module, expert_parallel: ExpertParallel | None) -> None:
+def set_batch_invariant(model: nn.Module, enabled: bool | None = True) -> int:
+    """Run ``model``'s experts in tmoe's batch-invariant mode (True), never (False), or as
+    ``tmoe.batch_invariant()`` / ``TMOE_BATCH_INVARIANT`` say at each call (None); returns how many
+    experts modules it set. Covers the registry's experts (``experts_implementation="tmoe"``) and
+    the modules ``replace_moe_blocks`` swapped in."""
+    enabled = optional_bool("enabled", enabled)
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, TmoeExperts):
+            module.set_batch_invariant(enabled)
+        elif _looks_like_experts(name, module):
+            setattr(module, BATCH_INVARIANT, enabled)
+        else:
+            continue
+        count += 1
+    return count
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module, expert_parallel: ExpertParallel | None,
+          batch_invariant: bool | None) -> None:
     parent = name.rpartition(".")[0]
     if type(module).__name__ == "Llama4TextExperts":  # the block, not the experts, takes the routing
         name, module, make = parent, model.get_submodule(parent), TmoeLlama4TextMoe
@@ -69,7 +94,10 @@ def _swap(model: nn.Module, name: str, module: nn.Module, expert_parallel: Exper
     else:
         make = TmoeExperts
     parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, make(module, expert_parallel))
+    swapped = make(module, expert_parallel)
+    if batch_invariant is not None:
+        set_batch_invariant(swapped, batch_invariant)
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, swapped)
 
 
 def _report(model: nn.Module, left: dict[str, list[str]]) -> str:
@@ -82,7 +110,8 @@ def _report(model: nn.Module, left: dict[str, list[str]]) -> str:
             + f"\ntmoe supports: {supported}")
 
 
-def replace_moe_blocks(model: nn.Module, strict: bool = False, expert_parallel: ExpertParallel | None = None) -> int:
+def replace_moe_blocks(model: nn.Module, strict: bool = False, expert_parallel: ExpertParallel | None = None,
+                       batch_invariant: bool | None = None) -> int:
     """Replace every supported experts module of ``model`` in place; returns how many.
 
     Every routed-experts module left in place (an unknown class, a 4.x ``ModuleList``, an
@@ -91,7 +120,8 @@ def replace_moe_blocks(model: nn.Module, strict: bool = False, expert_parallel: 
     transformers older than ``MIN_TRANSFORMERS`` (4.x stores experts as per-expert modules).
     ``expert_parallel`` (``tmoe.ExpertParallel``): every swapped module keeps only this rank's
     experts (its placement) and runs the mode's expert-parallel kernel (Llama4, which scales
-    inputs by router weight, needs mode "allgather"). Example::
+    inputs by router weight, needs mode "allgather"). ``batch_invariant``: the swapped modules' mode
+    (``set_batch_invariant``; None: the context's at each call). Example::
 
         model = transformers.AutoModelForCausalLM.from_pretrained("allenai/OLMoE-1B-7B-0924")
         replace_moe_blocks(model, strict=True)
@@ -117,5 +147,5 @@ def replace_moe_blocks(model: nn.Module, strict: bool = False, expert_parallel: 
             raise ValueError(_report(model, left))
         warnings.warn(_report(model, left), stacklevel=2)
     for name, module in targets:
-        _swap(model, name, module, expert_parallel)
+        _swap(model, name, module, expert_parallel, optional_bool("batch_invariant", batch_invariant))
     return len(targets)

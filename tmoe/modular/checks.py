@@ -177,6 +177,19 @@ def check_static_scales(args: LayerArgs) -> None:
                 raise ValueError(f"{name} must be a positive finite scale, got {scale.reshape(-1).tolist()}")
 
 
+def check_batch_invariant(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
+    """A batch-invariant call cannot scale its fp8 activations per tensor dynamically: one scale
+    from the whole batch's largest value changes every token's codes with the batch."""
+    if quant.scheme != "tensor":
+        return
+    for name in ("a1_scale", "a2_scale"):
+        if getattr(args, name) is None:
+            raise ValueError(f"batch_invariant=True with per-tensor fp8 needs a static {name}: a dynamic "
+                             f"per-tensor scale ({name}=None) comes from the whole batch, so a token's output "
+                             f"would change with the other tokens; pass {name}, or quantize per token "
+                             f"(per_act_token_quant=True) or per block (block_shape)")
+
+
 def check_no_grad_inplace(hidden_states: torch.Tensor) -> None:
     """In-place on a tensor that requires grad breaks autograd (torch's in-place ops refuse it)."""
     if hidden_states.requires_grad:

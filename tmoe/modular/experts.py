@@ -8,8 +8,8 @@ import torch
 
 from tmoe.kernels.checks import positive_int
 from tmoe.config import (
-    GemmConfig, MoEConfig, direct_down_config, fused_decode_config, get_config, grouped_config, use_direct_route,
-    use_fused_route, use_grouped_route, use_slot_route,
+    GemmConfig, MoEConfig, direct_down_config, fused_decode_config, get_config, grouped_config, route_forced,
+    use_direct_route, use_fused_route, use_grouped_route, use_slot_route,
 )
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales, operand_scales
@@ -38,11 +38,13 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
                               fp8=qc.quant_dtype is not None,
                               missing="fp8 experts need activation scales and w1_scale/w2_scale")
 
-    def _fused_quant_group(self, n: int, up_block_n: int, a2_scale: torch.Tensor | None) -> int | None:
+    def _fused_quant_group(self, n: int, up_block_n: int, a2_scale: torch.Tensor | None,
+                           batch_invariant: bool) -> int | None:
         """The 1 x g group the up GEMM's epilogue quantizes the intermediate with, or None when
-        the intermediate is written in the activation dtype and quantized by a separate stage."""
+        the intermediate is written in the activation dtype and quantized by a separate stage (the
+        two round differently; ``batch_invariant``: always the stage, as the wide tiles of large M)."""
         qc = self.quant_config
-        if qc.scheme != "block" or a2_scale is not None:
+        if qc.scheme != "block" or a2_scale is not None or batch_invariant:
             return None
         g = qc.block_shape[1]
         return g if n % g == 0 and up_block_n % g == 0 else None
@@ -61,7 +63,7 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         kw = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias, **route)
         if call.preact is not None:
             kw["pre_out"] = call.preact
-        group = self._fused_quant_group(n, up_cfg.block_n, call.a2_scale)
+        group = self._fused_quant_group(n, up_cfg.block_n, call.a2_scale, call.problem.batch_invariant)
         if group is not None:
             inter_q = torch.empty(inter.shape, dtype=self.quant_config.quant_dtype, device=x.device)
             inter_scale = torch.empty((*inter.shape[:-1], n // group), dtype=torch.float32, device=x.device)
@@ -77,10 +79,11 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         scales = self._scales(a2q_scale, call.w2_scale, call.w2_zp)
         gemm(a2q, call.w2, out, down_cfg, gated=False, scales=scales, bias=call.w2_bias, **route)
 
-    def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device) -> MoEConfig:
+    def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device,
+                batch_invariant: bool) -> MoEConfig:
         qc = self.quant_config
         return get_config(m, e, n, k, topk, device, quant=qc.quant_name, block_shape=qc.block_shape,
-                          group_size=qc.group_size or None)
+                          group_size=qc.group_size or None, batch_invariant=batch_invariant)
 
 
 class TritonExperts(_TritonExpertsBase):
@@ -101,6 +104,9 @@ class TritonExperts(_TritonExpertsBase):
 
     def route(self, problem: MoEProblem, m: int, may_reduce: bool, args: LayerArgs, rows_copied: bool) -> Route:
         qc = self.quant_config
+        # the fused and direct routes sum a token's slots in float32 before rounding, the others round
+        # each slot's output first: a batch-invariant call keeps to the second kind unless one is forced
+        may_reduce = may_reduce and not (problem.batch_invariant and not route_forced())
         if may_reduce and qc.quant_dtype is None and use_fused_route(m, problem.n, problem.k,
                                                                     low_bit=qc.weight_dtype is not None):
             return Route.FUSED
@@ -145,7 +151,8 @@ class TritonExperts(_TritonExpertsBase):
 
     def _layer_config(self, call: ExpertsCall) -> MoEConfig:
         m, k = call.hidden_states.shape
-        return self._config(m, call.num_experts, call.n, k, call.topk_ids.shape[1], call.hidden_states.device)
+        return self._config(m, call.num_experts, call.n, k, call.topk_ids.shape[1], call.hidden_states.device,
+                            call.problem.batch_invariant)
 
     @staticmethod
     def _input_weights(call: ExpertsCall) -> torch.Tensor | None:
@@ -156,7 +163,7 @@ class TritonExperts(_TritonExpertsBase):
         """Partial sums per (slot, intermediate block), then their reduce into output (M, K)."""
         x = call.hidden_states
         m, k = x.shape
-        cfg = fused_decode_config(m, call.n, k, call.topk_ids.shape[1], x.device)
+        cfg = fused_decode_config(m, call.n, k, call.topk_ids.shape[1], x.device, call.problem.batch_invariant)
         partial = torch.empty((call.topk_ids.numel(), fused_decode_blocks(call.n, cfg), k), dtype=torch.float32,
                               device=x.device)
         moe_fused_decode(x, call.w1, call.w2, partial, call.topk_ids, call.num_experts, cfg, n=call.n,
@@ -270,7 +277,7 @@ class BatchedTritonExperts(_TritonExpertsBase):
         if call.route is not Route.BATCHED:
             raise ValueError(f"BatchedTritonExperts has no route {call.route.name}")
         e, cap, k = call.hidden_states.shape
-        cfg = self._config(cap, e, call.n, k, 1, call.hidden_states.device)
+        cfg = self._config(cap, e, call.n, k, 1, call.hidden_states.device, call.problem.batch_invariant)
         counts = call.expert_num_tokens
         a2q, a2q_scale = self._up(call, call.hidden_states, call.a1q_scale, workspace2.view(e, cap, call.n), cfg.up,
                                   invoke_moe_gemm, expert_num_tokens=counts, route=call.route)

@@ -6,19 +6,20 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
-from tmoe.config import config_state
+from tmoe.config import config_state, resolve_batch_invariant
 from tmoe.runtime import state
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.plan import LaunchSequence
 from tmoe.runtime.replay import CallReplay
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.checks import (
-    call_signature, check_layer_call, check_recorded_call, check_static_scales, check_trainable, saves_preactivation,
+    call_signature, check_batch_invariant, check_layer_call, check_recorded_call, check_static_scales, check_trainable,
+    saves_preactivation,
 )
 from tmoe.modular.interfaces import (
     EXPERTS_KINDS, PREPARE_FINALIZE_KINDS, ExpertsCall, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize,
@@ -31,7 +32,8 @@ DEFAULT_CHUNK_SIZE = 32768
 MAX_CALL_PLANS = 4096  # per modular kernel; cleared when full (plans hold sizes, no tensors)
 # the int lists are optional, None for an empty one: an AOTInductor package passes an empty int[] as None
 SPEC_SCHEMA = ("str prepare_finalize, int[]? prepare_finalize_args, str group_name, str experts, int[]? experts_args, "
-               "str? quant_dtype, bool per_act_token_quant, bool per_out_ch_quant, int[]? block_shape, str? weight_dtype, int group_size, int chunk_size")
+               "str? quant_dtype, bool per_act_token_quant, bool per_out_ch_quant, int[]? block_shape, str? weight_dtype, int group_size, int chunk_size, "
+               "bool? batch_invariant")
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,28 +84,33 @@ class KernelSpec:
     experts_args: tuple[int, ...]
     quant: FusedMoEQuantConfig
     chunk_size: int = 0  # 0: default_chunk_size(), read inside the op
+    batch_invariant: bool | None = None  # None: tmoe.batch_invariant() / TMOE_BATCH_INVARIANT, read inside the op
 
     @classmethod
     def of(cls, pf: FusedMoEPrepareAndFinalize, experts: FusedMoEPermuteExpertsUnpermute,
-           chunk_size: int = 0) -> KernelSpec:
+           chunk_size: int = 0, batch_invariant: bool | None = None) -> KernelSpec:
         check_compatible(pf, experts)
         return cls(type(pf).kind, tuple(pf.op_args()), pf.group_name(), type(experts).kind,
-                   tuple(experts.op_args()), experts.quant_config, chunk_size)
+                   tuple(experts.op_args()), experts.quant_config, chunk_size, batch_invariant)
 
     def as_args(self) -> tuple:
         """The layer op's trailing arguments (``SPEC_SCHEMA``)."""
         return (self.prepare_finalize, list(self.prepare_finalize_args) or None, self.group_name, self.experts,
-                list(self.experts_args) or None, *self.quant.as_args(), self.chunk_size)
+                list(self.experts_args) or None, *self.quant.as_args(), self.chunk_size, self.batch_invariant)
 
     @classmethod
     def from_args(cls, pf: str, pf_args: list[int] | None, group_name: str, experts: str,
                   experts_args: list[int] | None, quant_dtype: str | None, per_act_token: bool, per_out_ch: bool,
-                  block_shape: list[int] | None, weight_dtype: str | None, group_size: int, chunk_size: int) -> KernelSpec:
+                  block_shape: list[int] | None, weight_dtype: str | None, group_size: int, chunk_size: int,
+                  batch_invariant: bool | None = None) -> KernelSpec:
         quant = FusedMoEQuantConfig.from_args(quant_dtype, per_act_token, per_out_ch, block_shape, weight_dtype,
                                               group_size)
-        return cls(pf, tuple(pf_args or ()), group_name, experts, tuple(experts_args or ()), quant, chunk_size)
+        return cls(pf, tuple(pf_args or ()), group_name, experts, tuple(experts_args or ()), quant, chunk_size,
+                   batch_invariant)
 
     def __post_init__(self) -> None:
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise TypeError(f"batch_invariant must be a bool or None, got {self.batch_invariant!r}")
         # the face passes these on every layer op call: computed once (a plain attribute, which
         # dynamo reads as it reads any module attribute; not a field: equality stays the fields')
         object.__setattr__(self, "op_args", self.as_args())
@@ -113,6 +120,11 @@ class KernelSpec:
         and the call's scales and frozen weights allow one (``check_recorded_call``)."""
         check_trainable(args, self.prepare_finalize, self.experts, self.quant.dtype_name, self.quant.weight_dtype)
         check_recorded_call(args, self.quant)
+
+    def check_call(self, args: LayerArgs) -> None:
+        """The mode's refusals (``check_batch_invariant``) where the mode is on (the layer op's fake)."""
+        if resolve_batch_invariant(self.batch_invariant):
+            check_batch_invariant(args, self.quant)
 
     @property
     def saves_preactivation(self) -> bool:
@@ -158,9 +170,11 @@ class ModularKernel:
     tensor's shape, strides, dtype and device, every other argument's value) and kept in a plan."""
 
     def __init__(self, pf: FusedMoEPrepareAndFinalize, experts: FusedMoEPermuteExpertsUnpermute,
-                 chunk_size: int) -> None:  # chunk_size 0: default_chunk_size() at each call
+                 chunk_size: int, batch_invariant: bool | None = None) -> None:
+        # chunk_size 0: default_chunk_size() at each call; batch_invariant None: the context's at each call
         check_compatible(pf, experts)
         self.prepare_finalize, self.fused_experts, self.chunk_size = pf, experts, chunk_size
+        self.batch_invariant = batch_invariant
         self._plans: dict[tuple, CallPlan] = {}
         self._generation = state.generation()
 
@@ -177,7 +191,7 @@ class ModularKernel:
             self._generation = state.generation()
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(args, chunk_size, saves_preact=preact is not None)
+            plan = self._plan(args, chunk_size, preact is not None, resolve_batch_invariant(self.batch_invariant))
             if len(self._plans) >= MAX_CALL_PLANS:
                 self._plans.clear()
             self._plans[key] = plan
@@ -212,11 +226,15 @@ class ModularKernel:
                             None if preact is None else preact[c.start * plan.problem.topk: c.end * plan.problem.topk])
         return output
 
-    def _plan(self, args: LayerArgs, chunk_size: int, saves_preact: bool) -> CallPlan:
+    def _plan(self, args: LayerArgs, chunk_size: int, saves_preact: bool, batch_invariant: bool) -> CallPlan:
         """Check a call and size its chunks and workspaces (once per call signature); a call that
-        saves its pre-activation takes no route that sums the top-k slots."""
+        saves its pre-activation takes no route that sums the top-k slots. ``batch_invariant``: the
+        mode, decided here once for the call (the key holds ``config_state``) and carried by the problem."""
         experts, pf = self.fused_experts, self.prepare_finalize
         problem = check_layer_call(args, experts.quant_config)
+        if batch_invariant:
+            check_batch_invariant(args, experts.quant_config)
+            problem = replace(problem, batch_invariant=True)
         if args.expert_map is not None and not experts.supports_expert_map():
             raise ValueError(f"{type(experts).__name__} does not support expert_map")
         x = args.hidden_states
@@ -272,4 +290,4 @@ def build(spec: KernelSpec) -> ModularKernel:
                          f"{sorted(PREPARE_FINALIZE_KINDS)} and {sorted(EXPERTS_KINDS)}") from None
     pf = pf_cls.from_op_args(spec.prepare_finalize_args, spec.group_name)
     experts = ex_cls.from_op_args(spec.experts_args, spec.quant)
-    return ModularKernel(pf, experts, spec.chunk_size)
+    return ModularKernel(pf, experts, spec.chunk_size, spec.batch_invariant)

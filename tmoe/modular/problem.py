@@ -23,8 +23,9 @@ class MoEProblem:
     ``num_experts``: the global expert count (topk_ids' range); ``num_local_experts``: w1's E;
     ``n``: the intermediate size; ``k``: the hidden size; ``topk``; ``activation`` (its rows per
     intermediate column tell W1's rows); ``dtype``: hidden_states'; ``weight_dtype``: w1/w2 as stored
-    (float, fp8 or uint8 low-bit codes). Built by ``check_layer_call`` (N derived there once, from
-    w1's rows and the activation)."""
+    (float, fp8 or uint8 low-bit codes); ``batch_invariant``: the call runs in the batch-invariant
+    mode (decided once per call by the layer op: ``tmoe.config.invariant``). Built by
+    ``check_layer_call`` (N derived there once, from w1's rows and the activation)."""
 
     num_experts: int
     num_local_experts: int
@@ -34,6 +35,7 @@ class MoEProblem:
     activation: Activation
     dtype: torch.dtype
     weight_dtype: torch.dtype
+    batch_invariant: bool = False
 
     @property
     def w1_rows(self) -> int:

@@ -30,6 +30,7 @@ def modular_forward(*args) -> torch.Tensor:
 def _(*args):
     call, spec = _split(args)
     check_layer_call(call, spec.quant)
+    spec.check_call(call)
     return torch.empty_like(call.hidden_states)
 
 
@@ -59,6 +60,7 @@ def modular_forward_train(*args) -> tuple[torch.Tensor, torch.Tensor]:
 def _(*args):
     call, spec = _split(args)
     check_layer_call(call, spec.quant)
+    spec.check_call(call)
     return torch.empty_like(call.hidden_states), _preact(call, spec)
 
 
@@ -76,6 +78,7 @@ def modular_forward_(*args) -> None:
 def _(*args):
     call, spec = _split(args)
     check_layer_call(call, spec.quant)
+    spec.check_call(call)
 
 
 register_layer_autograd(modular_forward)

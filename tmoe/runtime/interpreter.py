@@ -11,6 +11,13 @@ the unpatched interpreter still shows each fault, so a fixed one is noticed and 
   (fp8 results saturate, as ``cvt.rn.satfinite``).
 * ``tl.dot`` multiplies the raw uint16 bits of bfloat16 operands, and decodes fp8 operands with
   the faulty conversion (NaN lost): bf16 and fp8 operands are upcast to float32 first.
+* ``tl.dot`` of float32 operands is numpy's BLAS sgemm, which sums a row's K products in an order
+  that depends on the row's position in the tile and on the tile's M extent, and ``acc + dot``
+  rounds once per K tile, so a token's result depended on its batch and on block_k. A GPU chains its
+  FMAs or MMAs into the accumulator in ascending k: the dot sums each element's products one at a
+  time from the accumulator in ascending k (``fixed_order_dot``), so a row depends on nothing else
+  in the tile and a K loop gives the same bits whatever its block_k (batch invariance,
+  ``docs/numerics.md``).
 * A comparison's result keeps its operands' type, so a scalar mask such as ``tl.load(p) >= 0``
   broadcast against a block becomes an integer (or float) array: 3.9 rejects it as a load or
   store mask ("mask has unsupported dtype"), ``&`` with a float one fails on both. Comparisons
@@ -106,7 +113,21 @@ def _build_patches() -> list[tuple[object, str, object]]:
                                            tl.float32)
             return h
 
-        return original_dot(self, upcast(a), upcast(b), d, input_precision, max_num_imprecise_acc)
+        a, b = upcast(a), upcast(b)
+        if a.data.dtype != np.float32 or b.data.dtype != np.float32 or d.data.dtype != np.float32:
+            return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return interp.TensorHandle(fixed_order_dot(a.data, b.data, d.data), d.dtype.scalar)
+
+    def fixed_order_dot(a, b, acc):
+        """acc + a @ b, each output element summing its K products one at a time in ascending k from
+        acc (float32 adds, as a GPU's FMA or MMA chain accumulates), so a row's result depends on
+        neither the other rows, the tile's M extent, nor how the K loop splits K into tiles. Slices
+        [:, k, :] of one array are added in order (numpy reduces a non-innermost axis sequentially);
+        BLAS's sgemm instead sums a row in an order that depends on its position in the tile."""
+        terms = np.empty((a.shape[0], a.shape[1] + 1, b.shape[1]), dtype=np.float32)  # [BM, 1 + BK, BN]
+        terms[:, 0, :] = acc
+        np.multiply(a[:, :, None], b[None, :, :], out=terms[:, 1:, :])
+        return np.add.reduce(terms, axis=1)
 
     def boolean(compare):
         def create_cmp(self, lhs, rhs):
