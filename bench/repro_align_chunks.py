@@ -8,7 +8,6 @@ candidate: FIELDS)."""
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 from pathlib import Path
 from typing import NamedTuple
@@ -18,7 +17,7 @@ import triton
 
 from tmoe.kernels import align
 from tmoe.runtime.state import clear_launch_caches
-from tmoe.tools.results import git_commit
+from tmoe.tools.results import append_lines, git_commit
 
 # (name, M, E, topk, block_m): the block size each shape's layer aligns to at that M
 CASES = [("qwen3", 1024, 128, 8, 64), ("qwen3", 4096, 128, 8, 64), ("qwen3", 16384, 128, 8, 64),
@@ -74,12 +73,7 @@ def main() -> None:
     finally:
         _set(shipped)
     if args.out is not None:
-        new = not args.out.exists()
-        with args.out.open("a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(FIELDS)
-            w.writerows(rows)
+        append_lines(args.out, FIELDS, rows)
 
 
 if __name__ == "__main__":

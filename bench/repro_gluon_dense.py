@@ -9,7 +9,6 @@ Prints TFLOP/s per case and candidate. Hopper GPU only: ``python bench/repro_glu
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import triton
 
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.gluon_matmul import gluon_dense_matmul
-from tmoe.tools.results import git_commit
+from tmoe.tools.results import append_lines, git_commit
 
 # (name, M, N, K): square sizes, then Mixtral-8x7B's up (2N = 28672) and down GEMMs, DeepSeek-V3's expert up
 CASES = [("square", 4096, 4096, 4096), ("square", 8192, 8192, 8192), ("mixtral.up", 8192, 28672, 4096),
@@ -60,12 +59,7 @@ def main() -> None:
                   f"  {cublas / ms:5.2f}x cuBLAS")
             rows.append(env + [name, m, n, k, provider, f"{ms * 1e3:.1f}", f"{tflops:.1f}"])
     if args.out:
-        new = not args.out.exists()
-        with args.out.open("a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(FIELDS)
-            w.writerows(rows)
+        append_lines(args.out, FIELDS, rows)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ checking each candidate's output against the ``tl`` core's (relative error < 1e-
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from tmoe.kernels.moe_grouped_gemm import invoke_grouped_gemm
 from tmoe.kernels.operands import Routing
 from tmoe.kernels.sorted_rows import sorted_rows
 from tmoe.runtime.gluon import override_engine
-from tmoe.tools.results import git_commit
+from tmoe.tools.results import append_lines, git_commit
 
 # (name, M, E, N, K, topk)
 CASES = [("mixtral", 1024, 8, 14336, 4096, 2), ("mixtral", 4096, 8, 14336, 4096, 2),
@@ -87,12 +86,7 @@ def main() -> None:
                 print(f"{name:8s} M={m:5d} {gemm:4s} {engine:5s} {label:24s} {ms * 1e3:9.1f} µs  {base / ms:5.2f}x tl")
                 rows.append(env + [name, m, gemm, engine, label, f"{ms * 1e3:.1f}"])
     if args.out:
-        new = not args.out.exists()
-        with args.out.open("a", newline="") as f:
-            w = csv.writer(f)
-            if new:
-                w.writerow(FIELDS)
-            w.writerows(rows)
+        append_lines(args.out, FIELDS, rows)
 
 
 if __name__ == "__main__":

@@ -85,17 +85,21 @@ CSV_FIELDS = ["date", "gpu", "torch", "triton", "commit", "shape", "E", "N", "K"
               "graph_us", "eager_us", "floor_us", "fraction", "tb_s", "tflop_s", "touched_experts"]
 
 
-def append_csv(path: Path, rows: Sequence[Row], env: Env) -> None:
-    """Append one line per row, writing the header when the file is new."""
+def append_lines(path: Path, fields: Sequence[str], lines: Sequence[Sequence]) -> None:
+    """Append ``lines`` to the CSV at ``path``, writing the header ``fields`` when the file is new."""
     new = not path.exists()
     with path.open("a", newline="") as f:
         w = csv.writer(f)
         if new:
-            w.writerow(CSV_FIELDS)
-        for r in rows:
-            s, cells = r.shape, row_cells(r)
-            w.writerow([env.date, env.gpu, env.torch, env.triton, env.commit, s.name, s.e, s.n, s.k, s.topk, r.dtype,
-                        r.m, r.provider, *cells[3:], f"{r.touched:g}"])
+            w.writerow(fields)
+        w.writerows(lines)
+
+
+def append_csv(path: Path, rows: Sequence[Row], env: Env) -> None:
+    """Append one line per row, writing the header when the file is new."""
+    append_lines(path, CSV_FIELDS, [
+        [env.date, env.gpu, env.torch, env.triton, env.commit, r.shape.name, r.shape.e, r.shape.n, r.shape.k,
+         r.shape.topk, r.dtype, r.m, r.provider, *row_cells(r)[3:], f"{r.touched:g}"] for r in rows])
 
 
 def write_plot(path: Path, rows: Sequence[Row]) -> bool:
