@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from tmoe.kernels._details.common import _act_and_mul, _act_no_mul
 from tmoe.kernels._details.ws_engine import (
-    LOADER_REGS, alloc_ring, load_stage, mainloop, mma_layout, ring_slot, tile_ids, tma_store,
+    LOADER_REGS, alloc_ring, load_stage, mainloop, mma_layout, ring_slot, tile_grid, tile_ids, tma_store,
 )
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.gemm_config import GemmConfig
@@ -46,11 +46,10 @@ def _grouped_loader(a_desc, w_desc, a_bufs, b_bufs, b2_bufs, ready, empty, exper
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     num_valid_m = gl.load(num_post_padded_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N * (1 + SPLIT_N))
+    num_tiles, num_pid_n, k_tiles = tile_grid(num_valid_m, N, K, BLOCK_N * (1 + SPLIT_N), BLOCK_K)
     second = N if MUL else BLOCK_N  # rows of the second weight tile past the first: up rows, or the next columns
-    k_tiles = gl.cdiv(K, BLOCK_K)
     counter = 0
-    for tile in range(gl.program_id(0), num_valid_m * num_pid_n, NUM_PROGRAMS):
+    for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
         w_row = gl.load(expert_ids_ptr + pid_m) * N_W + pid_n * BLOCK_N * (1 + SPLIT_N)  # the gate (or only) rows
         for ki in range(k_tiles):
@@ -149,10 +148,9 @@ def _grouped_consumer(a_bufs, b_bufs, b2_bufs, ready, empty, c_desc, c_smem, out
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     layout: gl.constexpr = mma_layout(a_bufs.dtype, BLOCK_M, BLOCK_N, num_warps)
     num_valid_m = gl.load(num_post_padded_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N * (1 + SPLIT_N))
-    k_tiles = gl.cdiv(K, BLOCK_K)
+    num_tiles, num_pid_n, k_tiles = tile_grid(num_valid_m, N, K, BLOCK_N * (1 + SPLIT_N), BLOCK_K)
     counter = 0
-    for tile in range(gl.program_id(0), num_valid_m * num_pid_n, NUM_PROGRAMS):
+    for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
         acc, acc2, counter = mainloop(a_bufs, b_bufs, b2_bufs, ready, empty, counter, k_tiles, acc, acc, NUM_STAGES,
@@ -243,13 +241,14 @@ def invoke_gluon_grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tenso
     programs = min(programs, num_tiles)
     split = not gated and SPLIT_DOWN and bn >= 128
     bn_w = bn // 2 if split else bn  # rows of one weight tile (one accumulator's columns)
-    c_desc = descriptor(out, [bm, bn]) if gated else descriptor(a, [bm, bk])
+    a_desc = descriptor(a, [bm, bk])
+    c_desc = descriptor(out, [bm, bn]) if gated else a_desc  # the down GEMM stores by pointers
     stages = ring_stages((bm + bn_w * (1 + (mul or split))) * bk * a.element_size(),
                          bm * bn * out.element_size() if gated else 0)
     alpha, limit, clamp = act.floats() if act is not None else (1.0, 0.0, False)
     sa = scale_args(scales, a, w, config, bn)
     launch(_gluon_grouped_kernel, (programs, ),
-           a_desc=descriptor(a, [bm, bk]), w_desc=descriptor(w.view(e * n_w, k), [bn_w, bk]), c_desc=c_desc,
+           a_desc=a_desc, w_desc=descriptor(w.view(e * n_w, k), [bn_w, bk]), c_desc=c_desc,
            out_ptr=out, sorted_ids_ptr=routing.sorted_token_ids, expert_ids_ptr=routing.expert_ids,
            num_post_padded_ptr=routing.num_tokens_post_padded,
            topk_weights_ptr=topk_weights if topk_weights is not None else out,

@@ -15,7 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tmoe.kernels._details.ws_engine import (
-    LOADER_REGS, alloc_ring, load_stage, mainloop, mma_layout, ring_slot, tile_ids, tma_store,
+    LOADER_REGS, alloc_ring, load_stage, mainloop, mma_layout, ring_slot, tile_grid, tile_ids, tma_store,
 )
 from tmoe.kernels.gemm_config import GemmConfig
 
@@ -29,10 +29,9 @@ def _dense_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, M, N, K, NUM_PRO
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
+    num_tiles, num_pid_n, k_tiles = tile_grid(num_pid_m, N, K, BLOCK_N, BLOCK_K)
     counter = 0
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
         for ki in range(k_tiles):
             s, phase = ring_slot(counter, NUM_STAGES)
@@ -50,10 +49,9 @@ def _dense_consumer(a_bufs, b_bufs, ready, empty, c_desc, c_smem, M, N, K, NUM_P
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     layout: gl.constexpr = mma_layout(a_bufs.dtype, BLOCK_M, BLOCK_N, num_warps)
     num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K, BLOCK_K)
+    num_tiles, num_pid_n, k_tiles = tile_grid(num_pid_m, N, K, BLOCK_N, BLOCK_K)
     counter = 0
-    for tile in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+    for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = tile_ids(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
         acc, _, counter = mainloop(a_bufs, b_bufs, b_bufs, ready, empty, counter, k_tiles, acc, acc, NUM_STAGES,

@@ -49,6 +49,14 @@ def tile_ids(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def tile_grid(num_pid_m, N, K, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """(output tiles, column blocks, K steps) of a GEMM of ``num_pid_m`` row blocks, N columns and
+    depth K: what the producer and the consumers walk alike."""
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    return num_pid_m * num_pid_n, num_pid_n, gl.cdiv(K, BLOCK_K)
+
+
+@gluon.jit
 def ring_slot(counter, NUM_STAGES: gl.constexpr):
     """(stage, phase) of the ``counter``-th use of a NUM_STAGES ring."""
     return counter % NUM_STAGES, (counter // NUM_STAGES) & 1
