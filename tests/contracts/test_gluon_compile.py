@@ -2,7 +2,8 @@
 Triton, without a GPU (Gluon kernels do not run under the interpreter; ``tmoe.testing.sm90`` stands
 in an sm_90 driver and only compiles): the dense matmul's tile configs and the grouped GEMMs (up with
 every activation and the router weight on either GEMM in bf16, fp16 and block_m 64 with silu; down;
-fp8 with per-token and per-channel scales; biases and the saved pre-activation), each
+fp8 with per-token and per-channel scales; biases and the saved pre-activation) and the input
+gradient's GEMM (per slot with the router gradient, and in aligned order), each
 with a warp-specialized producer (``ttg.warp_specialize``), wgmma and TMA in its code, within
 Hopper's 227 KB of shared memory and without spilling registers to local memory."""
 import os
@@ -77,6 +78,14 @@ SCRIPT = textwrap.dedent("""
         invoke_gluon_grouped_gemm(torch.empty(1024, n, dtype=dtype), torch.empty(e, k, n, dtype=dtype),
                                   torch.empty(slots, k, dtype=torch.bfloat16), GemmConfig(128, 256, bk, num_warps=8),
                                   routing, 132, gated=False, scales=s2, bias=torch.empty(e, k, dtype=torch.bfloat16))
+    # the input gradient's GEMM: per slot with the router weights' gradient, and in aligned order
+    from tmoe.kernels.gluon_grad_input import invoke_gluon_grad_input
+    d, w = torch.empty(1024, 2 * n, dtype=torch.bfloat16), torch.empty(e, 2 * n, k, dtype=torch.bfloat16)
+    ids, blocks = torch.zeros(1024, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    padded, cfg = torch.zeros(1, dtype=torch.int32), GemmConfig(128, 256, 64, num_warps=8)
+    invoke_gluon_grad_input(d, w, torch.empty(slots, k, dtype=torch.bfloat16), ids, blocks, padded, slots, 128, cfg,
+                            132, torch.empty(1024, 9), torch.empty(slots))
+    invoke_gluon_grad_input(d, w, torch.empty(1024, k, dtype=torch.bfloat16), ids, blocks, padded, slots, 128, cfg, 132)
     print("\\n".join(rows))
 """)
 
@@ -90,8 +99,8 @@ def test_gluon_engine_compiles_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line.split() for line in proc.stdout.strip().splitlines()]
     names = {r[0] for r in rows}
-    assert names == {"_gluon_dense_kernel", "_gluon_grouped_kernel"}, names
-    assert len(rows) == 3 + (2 * 7 + 2) + 2 * (2 + 2) + 4, f"every variant compiled: {len(rows)} compiles"
+    assert names == {"_gluon_dense_kernel", "_gluon_grouped_kernel", "_gluon_grad_input_kernel"}, names
+    assert len(rows) == 3 + (2 * 7 + 2) + 2 * (2 + 2) + 4 + 2, f"every variant compiled: {len(rows)} compiles"
     for name, shared, spilled, ok in rows:
         assert int(shared) <= SMEM_LIMIT, f"{name} needs {shared} bytes of shared memory (sm_90: {SMEM_LIMIT})"
         assert int(spilled) == 0, f"{name} spills {spilled} bytes of registers to local memory"

@@ -144,3 +144,27 @@ def test_training_forward_saves_preactivation_on_the_engine(gluon_calls):
     assert_close(out, ref, torch.bfloat16)
     for name, t, r in zip(("x", "w1", "w2", "topk_weights"), leaves, ref_leaves):
         assert_close(t.grad, r.grad, torch.bfloat16, name=f"d{name}")
+
+
+@pytest.mark.parametrize("m", [400, 2048])
+def test_input_gradient_on_the_engine(m, monkeypatch):
+    """The input gradient's M-grouped GEMM (``gluon_grad_input``) against the tl kernel and float64
+    autograd of the reference: dx, and the router weights' gradient it sums in the same pass."""
+    from tmoe.kernels import gluon_grad_input
+    calls = []
+    run = gluon_grad_input.invoke_gluon_grad_input
+    monkeypatch.setattr(gluon_grad_input, "invoke_gluon_grad_input", lambda *a, **kw: (calls.append(1), run(*a, **kw))[1])
+    p = make_problem(MoEShape(m, 8, 256, 512, 2), torch.bfloat16, "skewed", seed=m, device="cuda")
+    grad = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for engine in ("gluon", "tl"):
+        leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.w1, p.w2, p.topk_weights)]
+        with override_engine(engine):
+            tmoe.fused_experts(*leaves, p.topk_ids).backward(grad)
+        grads[engine] = [t.grad for t in leaves]
+    assert calls
+    ref_leaves = [t.detach().double().requires_grad_() for t in (p.x, p.w1, p.w2, p.topk_weights)]
+    moe_reference(*ref_leaves, p.topk_ids).backward(grad.double())
+    for i, name in enumerate(("x", "w1", "w2", "topk_weights")):
+        assert_close(grads["gluon"][i], ref_leaves[i].grad, torch.bfloat16, name=f"d{name}")
+        assert_close(grads["gluon"][i], grads["tl"][i], torch.bfloat16, name=f"d{name} gluon against tl")

@@ -17,6 +17,7 @@ def test_engine_by_gemm_environment_and_override(monkeypatch):
     cuda = torch.device("cuda", 0)
     assert gluon.gluon_ready(cuda, "up") and not gluon.gluon_ready(cuda, "down")  # the default
     assert not gluon.gluon_ready(cuda, "up.fp8")
+    assert not gluon.gluon_ready(cuda, "dx")
     monkeypatch.setenv("TMOE_GLUON", "1")
     assert all(gluon.gluon_ready(cuda, g) for g in ("up", "down", "up.fp8", "down.fp8"))
     with gluon.override_engine("tl"):

@@ -31,10 +31,17 @@ from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.grad_config import InputTiles
 from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
-from tmoe.runtime.device import persistent_programs
+from tmoe.kernels.gemm_config import GemmConfig
+from tmoe.runtime.device import persistent_programs, sm_count
+from tmoe.runtime.gluon import gluon_ready
 from tmoe.runtime.interpreter import with_interpreter_fixes
 from tmoe.runtime.launch import launch
 from tmoe.kernels.reduce import moe_reduce
+
+try:  # the warp-specialized engine; where this Triton's Gluon API differs, the tl kernel runs everywhere
+    from tmoe.kernels import gluon_grad_input
+except (ImportError, AttributeError, TypeError):
+    gluon_grad_input = None
 
 PARTS_BLOCK = 16
 
@@ -129,6 +136,14 @@ def _launch(
         return
     fp32 = d.dtype == torch.float32
     router_grad = partial is not None
+    if gluon_grad_input is not None and gluon_ready(d.device, "dx"):
+        engine = GemmConfig(block_m, tiles.block_n, tiles.block_r, num_warps=tiles.num_warps,
+                            group_m=row_group(block_m * rows_w * d.element_size()))
+        if gluon_grad_input.gluon_grad_input_fits(d, w, out, block_m, engine, scale, skip_remote):
+            gluon_grad_input.invoke_gluon_grad_input(d, w, out, sorted_ids, expert_ids, num_post_padded, num_slots,
+                                                     block_m, engine, sm_count(d.device), partial, grad_weights,
+                                                     PARTS_BLOCK)
+            return
     num_pid_m = cdiv(p, block_m)
     tma = tiles.tma and scale is None and tma_addressable(d) and tma_addressable(w)
     if tma:

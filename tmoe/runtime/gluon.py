@@ -5,7 +5,8 @@ once per device index. By default it runs the grouped up GEMM, where it measured
 and not the down GEMM, where it measured slower but at Mixtral M = 1024 (0.72-0.96x;
 ``python bench/repro_gluon_grouped.py``, ``bench/results/gluon_grouped.csv``). ``TMOE_GLUON=1`` or
 ``override_engine("gluon")`` run both GEMMs on it, fp8 ones too (correct on the GPU, not yet timed
-against the ``tl`` core, so not the default); ``TMOE_GLUON=0`` or ``override_engine("tl")`` neither."""
+against the ``tl`` core, so not the default) and the input gradient's GEMM ("dx", ``gluon_grad_input``);
+``TMOE_GLUON=0`` or ``override_engine("tl")`` none."""
 from __future__ import annotations
 
 import contextlib
@@ -43,7 +44,8 @@ DEFAULT_GEMMS = ("up", )  # the GEMMs the engine runs unless told otherwise: mea
 
 def gluon_ready(device: torch.device, gemm: str) -> bool:
     """The Gluon engine can run on ``device`` and is wanted for grouped GEMM ``gemm``: "up" or
-    "down" with float operands, "up.fp8" or "down.fp8" with fp8 ones (see the module docstring)."""
+    "down" with float operands, "up.fp8" or "down.fp8" with fp8 ones, "dx" the input gradient's
+    (see the module docstring)."""
     asked = _OVERRIDE[-1] if _OVERRIDE else {"1": "gluon", "0": "tl"}.get(os.environ.get("TMOE_GLUON", ""))
     if asked == "tl" or (asked is None and gemm not in DEFAULT_GEMMS):
         return False

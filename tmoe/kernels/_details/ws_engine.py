@@ -79,15 +79,20 @@ def load_stage(a_desc, b_desc, a_row, b_row, b2_row, k, bar, a_buf, b_buf, b2_bu
 
 @gluon.jit
 def mainloop(a_bufs, b_bufs, b2_bufs, ready, empty, counter, k_tiles, acc, acc2,
-             NUM_STAGES: gl.constexpr, TWO_B: gl.constexpr):
+             NUM_STAGES: gl.constexpr, TWO_B: gl.constexpr, B_KN: gl.constexpr = False):
     """The consumer's K loop over ``k_tiles`` ring stages from ring position ``counter``: wait for a
     stage, issue its MMA(s) asynchronously, keep one MMA group in flight and free the stage the
-    retired group read. Returns the accumulators (all MMAs retired) and the next ring position."""
+    retired group read. B tiles are [BN, BK] (K-major, as W (N, K) stores them), or with B_KN
+    [BK, BN] (N contiguous: a weight read along its rows, the input gradient's ``d @ w[e]``).
+    Returns the accumulators (all MMAs retired) and the next ring position."""
     prev = 0
     for ki in range(k_tiles):
         s, phase = ring_slot(counter, NUM_STAGES)
         mbarrier.wait(ready.index(s), phase)
-        b = b_bufs.index(s).permute((1, 0))  # [BK, BN] view of the K-major weight tile
+        if B_KN:
+            b = b_bufs.index(s)
+        else:
+            b = b_bufs.index(s).permute((1, 0))  # [BK, BN] view of the K-major weight tile
         acc = warpgroup_mma(a_bufs.index(s), b, acc, use_acc=ki > 0, is_async=True)
         if TWO_B:
             acc2 = warpgroup_mma(a_bufs.index(s), b2_bufs.index(s).permute((1, 0)), acc2, use_acc=ki > 0,
