@@ -181,3 +181,13 @@ def uniform_w_scale(scales: Scales | None, n: int, block_n: int, gated: bool) ->
         return False
     gn = scales.block_shape[0]
     return gn % block_n == 0 and (not gated or n % gn == 0)
+
+
+def fused_quant_group(n: int, num_groups: int, config: GemmConfig, gated: bool) -> int:
+    """The group size of an epilogue-quantized up GEMM with ``num_groups`` scales per row of
+    ``n`` columns; ValueError unless gated and the group divides both ``n`` and ``config.block_n``."""
+    group = n // num_groups if num_groups else 0
+    if not gated or group == 0 or group * num_groups != n or config.block_n % group:
+        raise ValueError(f"epilogue quantization needs the gated GEMM and groups dividing N={n} and "
+                         f"block_n={config.block_n}; got {num_groups} groups")
+    return group

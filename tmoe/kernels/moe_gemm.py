@@ -27,9 +27,10 @@ from tmoe.kernels.sizes import cdiv
 from tmoe.kernels._details.dequant import b_rows, zero_point_rows
 from tmoe.kernels._details.gemm_epilogue import moe_epilogue
 from tmoe.kernels.gemm_args import (
-    fit_shared_memory, fit_low_bit, scale_args, persistent_epilogue_bytes, uniform_w_scale, up_in_halves,
+    fit_shared_memory, fit_low_bit, fused_quant_group, scale_args, persistent_epilogue_bytes, uniform_w_scale, up_in_halves,
     weight_bytes, weight_descriptor,
 )
+from tmoe.kernels.lora import LoraOperands, lora_args
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales
 from tmoe.kernels.route import Route
 from tmoe.runtime.device import persistent_programs, shared_memory_budget
@@ -69,6 +70,9 @@ def _moe_gemm_kernel(
     out_scale_ptr,  # QUANT_OUT: [rows, cdiv(N, GROUP_OUT)] float32 (Batched: [E, cap, ...])
     w_zp_ptr,  # HAS_ZP: low-bit zero points, int4 [E, N_w // 2, K // GROUP_K], int8 [E, N_w, K // GROUP_K]
     pre_ptr,  # SAVE_PRE (gated, Standard): [num_slots, N_w] the pre-activation, row = slot
+    lora_u_ptr,  # LORA (Standard): [num_slots, rank] t = a @ A[e].T of each slot, row = slot
+    lora_b_ptr,  # LORA: [E, N_w, rank] B, W's LoRA factor (its rows in W's row order)
+    lora_rank, stride_lum, stride_lbe, stride_lbn, stride_lbr, lora_scale,
     N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert, num_experts, num_local_experts,
     stride_ae, stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
@@ -84,7 +88,7 @@ def _moe_gemm_kernel(
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK: tl.constexpr,
     SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr, HALVES: tl.constexpr,
-    SAVE_PRE: tl.constexpr,
+    SAVE_PRE: tl.constexpr, LORA: tl.constexpr, LORA_R: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # PDL: before anything is read; the next kernel may start after the K loop (pdl.py)
     if PERSISTENT:  # sorted route, TMA weights: each program walks the valid tiles, grid-size apart
@@ -112,7 +116,9 @@ def _moe_gemm_kernel(
                 moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptrs, topk_weights_ptr,
                              out_scale_ptr + slots * stride_osm, pre_ptr + slots * stride_pm, pid_n, N, stride_osg,
                              quant_eps, act_alpha, act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION,
-                             CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE)
+                             CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE,
+                             lora_u_ptr + slots * stride_lum, lora_b_ptr + expert * stride_lbe, lora_rank, stride_lbn,
+                             stride_lbr, lora_scale, LORA, LORA_R, PRECISION)
         pdl_launch_dependents(USE_PDL)
     else:  # one program per output tile
         pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -183,7 +189,9 @@ def _moe_gemm_kernel(
         moe_epilogue(acc, up, out_ptrs, mask_m, mask_n, offs_n, slots, bias_ptrs, topk_weights_ptr,
                      out_scale_ptr + out_scale_rows, pre_ptr + slots * stride_pm, pid_n, N, stride_osg, quant_eps,
                      act_alpha, act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP,
-                     MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE)
+                     MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE,
+                     lora_u_ptr + slots * stride_lum, lora_b_ptr + expert * stride_lbe, lora_rank, stride_lbn,
+                     stride_lbr, lora_scale, LORA, LORA_R, PRECISION)
 
 
 @with_interpreter_fixes
@@ -205,6 +213,7 @@ def invoke_moe_gemm(
     out_scale: torch.Tensor | None = None,
     quant_eps: float = 1e-10,
     pre_out: torch.Tensor | None = None,
+    lora: LoraOperands | None = None,
 ) -> torch.Tensor:
     """Launch one expert GEMM into ``out`` (..., N_out): N_out columns, the intermediate size N for
     the up GEMM. ``route`` (the plan's) picks the rows: SORTED with an aligned ``routing``
@@ -220,8 +229,9 @@ def invoke_moe_gemm(
     K) for a *_no_mul one; alpha and limit are runtime floats (a new value compiles nothing).
     ``scales`` a ``WeightScales``: ``w`` holds low-bit codes, dequantized in the K loop. ``pre_out``
     (gated, Standard routing; (num_slots, N_w) contiguous, x's dtype): the epilogue also stores each
-    slot's pre-activation there (``moe_epilogue``'s SAVE_PRE), gate columns then up columns. Shapes
-    were checked by the caller. Planned: the body runs once per static signature of the arguments."""
+    slot's pre-activation there (``moe_epilogue``'s SAVE_PRE), gate columns then up columns.
+    ``lora`` (Standard routing, float operands): the epilogue adds ``lora.scale * t @ B[e].T`` to
+    x @ W[e].T (``LoraOperands``). Shapes were checked by the caller. Planned: the body runs once per static signature of the arguments."""
     act_args = (activation or Activation()).kernel_args() if gated else NO_ACTIVATION_ARGS
     mul = act_args["MUL"]
     n, k = out.shape[-1], a.shape[-1]
@@ -281,7 +291,7 @@ def invoke_moe_gemm(
         num_warps=config.num_warps, num_stages=config.num_stages, SWAP_AB=config.swap_ab, PERSISTENT=persistent,
         HALVES=up_in_halves(w, mul, act_args["INTERLEAVED"]),
         pre_ptr=pre_out if pre_out is not None else w, stride_pm=pre_out.stride(0) if pre_out is not None else 0,
-        SAVE_PRE=pre_out is not None,
+        SAVE_PRE=pre_out is not None, **lora_args(lora, w, batched),
         **route_args, **scale_args(scales, a, w, config, config.block_n * (1 + mul), batched=batched), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned
@@ -289,12 +299,3 @@ def invoke_moe_gemm(
         return out
     return Launch(_moe_gemm_kernel, grid, kwargs, out)
 
-
-def fused_quant_group(n: int, num_groups: int, config: GemmConfig, gated: bool) -> int:
-    """The group size of an epilogue-quantized up GEMM with ``num_groups`` scales per row of
-    ``n`` columns; ValueError unless gated and the group divides both ``n`` and ``config.block_n``."""
-    group = n // num_groups if num_groups else 0
-    if not gated or group == 0 or group * num_groups != n or config.block_n % group:
-        raise ValueError(f"epilogue quantization needs the gated GEMM and groups dividing N={n} and "
-                         f"block_n={config.block_n}; got {num_groups} groups")
-    return group

@@ -41,6 +41,7 @@ from tmoe.kernels.activation import Activation
 from tmoe.kernels.grad_checks import check_preact
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.grad_config import ActTiles
+from tmoe.kernels.lora import LoraOperands
 from tmoe.kernels.moe_grad_input import sorted_input_grad
 from tmoe.kernels.operands import BlockScales, Routing, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
@@ -188,7 +189,7 @@ def moe_grad_act(
     topk: int, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor, *,
     activation: Activation, block_m: int, tiles: ActTiles, apply_router_weight_on_input: bool = False,
     w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-    weight_scales: BlockScales | None = None, preact: torch.Tensor | None = None,
+    weight_scales: BlockScales | None = None, preact: torch.Tensor | None = None, lora: LoraOperands | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The intermediate's gradient, the intermediate and the router weights' partial gradients.
 
@@ -205,6 +206,8 @@ def moe_grad_act(
             forward's x @ w1[e].T of every slot (row = slot, gate columns then up; before the
             router weight and the bias; ``check_preact``). Then nothing is recomputed: g = go @ w2
             runs first (g_first) and this kernel is elementwise, reading h's product from ``preact``.
+        lora: w2's LoRA term of g (with ``preact``): g = go @ (w2[e] + scale * b @ a) as
+            ``sorted_input_grad``'s ``lora`` (u = go @ b[e] per slot, factor a[e] transposed).
 
     Returns:
         grad_h (P, 2N) in aligned-row order and w1's row order, x's dtype (rows of padding and
@@ -239,7 +242,8 @@ def moe_grad_act(
         g = sorted_input_grad(go_rows, w2, sorted_ids, expert_ids, num_post_padded, num_slots, block_m=block_m,
                               weight_scale=weight_scales.w2_scale if weight_scales else None,
                               block_shape=weight_scales.block_shape if weight_scales else None,
-                              skip_remote=preact is None)  # a saving forward had no expert map
+                              skip_remote=preact is None,  # a saving forward had no expert map
+                              lora=lora)
     else:
         g = inter  # not read
     if tma:  # grad_out and x rows copied into aligned order (padding rows zero), every operand by TMA

@@ -26,9 +26,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.common import dequant_block
+from tmoe.kernels._details.lora_dot import lora_term
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.grad_config import InputTiles
+from tmoe.kernels.lora import LoraOperands, padded_rank
 from tmoe.kernels.operands import BlockScales, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.kernels.gemm_config import GemmConfig
@@ -57,12 +59,16 @@ def _moe_grad_input_kernel(
     grad_slots_ptr,  # [num_slots, K] out (SORTED_OUT: [P, K], aligned rows)
     grad_weights_ptr,  # [num_slots] float32 out, zero-filled by the launcher (ROUTER_GRAD)
     s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s)
+    lora_u_ptr,  # LORA: [P or num_slots (LORA_SLOT_ROWS), rank] each row's u = d @ B[e]
+    lora_l_ptr,  # LORA: [E, K, rank] (A[e], transposed): the epilogue adds lora_scale * u @ A[e]
+    lora_rank, stride_lum, stride_lle, stride_llk, stride_llr, lora_scale,
     num_slots, W1_ROWS, K, num_parts,
     stride_hm, stride_w1e, stride_w1r, stride_w1k, stride_sm, stride_pm, stride_s1e, stride_s1r, stride_s1c,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
     GROUP_M: tl.constexpr, TMA: tl.constexpr, ROUTER_GRAD: tl.constexpr, SORTED_OUT: tl.constexpr,
-    SKIP_REMOTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    SKIP_REMOTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, LORA: tl.constexpr, LORA_R: tl.constexpr,
+    LORA_SLOT_ROWS: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(K, BLOCK_N)
     num_valid_m = tl.load(num_post_padded_ptr) // BLOCK_M
@@ -113,6 +119,13 @@ def _moe_grad_input_kernel(
                     w = dequant_block(w, s_base, offs_r[:, None], offs_n[None, :], stride_s1r, stride_s1c, mask_w,
                                       SCALE_R, SCALE_C, grad_h_src.dtype.element_ty)
                 acc = tl.dot(dh, w, acc, input_precision=PRECISION)
+        if LORA:  # the adapter's share: lora_scale * u @ A[e] (remote blocks store nothing)
+            if LORA_SLOT_ROWS:
+                u_rows = lora_u_ptr + tl.where(mask_m, slots, 0) * stride_lum
+            else:
+                u_rows = lora_u_ptr + rows * stride_lum
+            acc = lora_term(acc, u_rows, mask_m, lora_l_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_lle, offs_n,
+                            mask_n, lora_rank, stride_llr, stride_llk, lora_scale, LORA_R, PRECISION)
         if SORTED_OUT:  # every row of the block (padding rows: zero rows of d give zeros)
             tl.store(grad_slots_ptr + rows[:, None] * stride_sm + offs_n[None, :],
                      acc.to(grad_slots_ptr.dtype.element_ty), mask=mask_n[None, :] & local)
@@ -126,17 +139,20 @@ def _launch(
     num_post_padded: torch.Tensor, num_slots: int, block_m: int, tiles: InputTiles,
     scale: torch.Tensor | None, block_shape: tuple[int, int] | None, skip_remote: bool,
     partial: torch.Tensor | None = None, grad_weights: torch.Tensor | None = None,
+    lora: LoraOperands | None = None, lora_slot_rows: bool = False,
 ) -> None:
     """da = d @ w[e] per aligned row block into ``out``: rows = slots, or aligned rows when no
     ``partial`` is given (then no router-weight gradient either). ``scale``/``block_shape``: a
     frozen block-fp8 ``w``'s scales. ``skip_remote``: remote blocks (expert id -1) may be many (an
-    expert map): they skip their K loop, and the tile loop does not flatten."""
+    expert map): they skip their K loop, and the tile loop does not flatten. ``lora``: the epilogue
+    adds ``lora.scale * lora.u[row] @ lora.factor[e].T`` (factor (E, cols, r)), u's rows aligned
+    rows or, ``lora_slot_rows``, slots."""
     p, (rows_w, cols) = d.shape[0], w.shape[1:]
     if p == 0:
         return
     fp32 = d.dtype == torch.float32
     router_grad = partial is not None
-    if gluon_grad_input is not None and gluon_ready(d.device, "dx"):
+    if gluon_grad_input is not None and lora is None and gluon_ready(d.device, "dx"):
         engine = GemmConfig(block_m, tiles.block_n, tiles.block_r, num_warps=tiles.num_warps,
                             group_m=row_group(block_m * rows_w * d.element_size()))
         if gluon_grad_input.gluon_grad_input_fits(d, w, out, block_m, engine, scale, skip_remote):
@@ -154,16 +170,23 @@ def _launch(
     partial = partial if router_grad else out
     s = scale if scale is not None else partial
     programs = persistent_programs(d.device, num_pid_m * cdiv(cols, tiles.block_n))
+    if lora is not None:
+        u, f = lora.u, lora.factor
+        lora_ops = (u, f, f.shape[2], u.stride(0), *f.stride(), float(lora.scale))
+    else:
+        lora_ops = (out, out, 0, 0, 0, 0, 0, 1.0)
     launch(_moe_grad_input_kernel, (programs,),
            d_src, w_src, partial, sorted_ids, expert_ids, num_post_padded, out,
-           grad_weights if router_grad else out, s,
+           grad_weights if router_grad else out, s, *lora_ops,
            num_slots, rows_w, cols, partial.shape[1] if router_grad else 0,
            d.stride(0), *w.stride(), out.stride(0), partial.stride(0), *scale_strides(s),
            BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK,
            PRECISION="ieee" if fp32 else "tf32", FP8_W=scale is not None,
            SCALE_R=block_shape[0] if block_shape else 1, SCALE_C=block_shape[1] if block_shape else 1,
            GROUP_M=row_group(block_m * rows_w * d.element_size()), TMA=tma, ROUTER_GRAD=router_grad,
-           SORTED_OUT=not router_grad, SKIP_REMOTE=skip_remote, NUM_PROGRAMS=programs, num_warps=tiles.num_warps,
+           SORTED_OUT=not router_grad, SKIP_REMOTE=skip_remote, NUM_PROGRAMS=programs, LORA=lora is not None,
+           LORA_R=padded_rank(lora.factor.shape[2]) if lora is not None else 16, LORA_SLOT_ROWS=lora_slot_rows,
+           num_warps=tiles.num_warps,
            num_stages=backward_stages(tiles.num_stages, fp32, scale is not None))
 
 
@@ -172,6 +195,7 @@ def sorted_input_grad(
     d: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_post_padded: torch.Tensor, num_slots: int, *, block_m: int, weight_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None, tiles: InputTiles = InputTiles(), skip_remote: bool = True,
+    lora: LoraOperands | None = None,
 ) -> torch.Tensor:
     """da (P, C) in aligned-row order, d's dtype: da = d @ w[e] for each aligned row block of expert e.
 
@@ -183,12 +207,14 @@ def sorted_input_grad(
             num_slots: the sentinel of sorted_ids.
         skip_remote: expert ids may be -1 (remote: an expert map); False where none is, so the
             persistent tile loop flattens (a -1 block is then still correct, its K loop run on zeros).
+        lora: each row's da also takes ``lora.scale * u[slot] @ lora.factor[e].T`` (u (num_slots,
+            r) by slot, factor (E_local, C, r): w's LoRA update scale * B @ A, with u = d @ B[e]).
 
     Rows at or past num_post_padded and rows of remote experts (expert id -1) are not written.
     """
     out = torch.empty((d.shape[0], w.shape[2]), dtype=d.dtype, device=d.device)
     _launch(d, w, out, sorted_ids, expert_ids, num_post_padded, num_slots, block_m, tiles, weight_scale, block_shape,
-            skip_remote)
+            skip_remote, lora=lora, lora_slot_rows=True)
     return out
 
 
@@ -198,7 +224,7 @@ def moe_grad_input(
     topk_ids: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
     num_experts: int, *, expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
     block_m: int, tiles: InputTiles, apply_router_weight_on_input: bool = False,
-    weight_scales: BlockScales | None = None,
+    weight_scales: BlockScales | None = None, lora: LoraOperands | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dx (M, K) in grad_h's dtype, dL/dtopk_weights (M, topk) float32).
 
@@ -211,6 +237,8 @@ def moe_grad_input(
         apply_router_weight_on_input: the forward scaled the input by the router weight.
         weight_scales: frozen block-fp8 w1 and its block scales (dequantized in the K loop).
         tiles: the tiles (the rule: ``tmoe.config.backward.input_tiles(M)``).
+        lora: w1's LoRA update scale * B1 @ A1: u (P, r) = scale-free grad_h @ B1[e] in aligned rows,
+            factor A1 transposed (E_local, K, r); each slot's dx takes ``lora.scale * u @ A1[e]``.
     """
     m, topk = topk_ids.shape
     k = w1.shape[2]
@@ -219,7 +247,7 @@ def moe_grad_input(
     grad_weights = torch.zeros((m, topk), dtype=torch.float32, device=dev)
     _launch(grad_h, w1, grad_slots, sorted_ids, expert_ids, num_post_padded, m * topk, block_m, tiles,
             weight_scales.w1_scale if weight_scales else None, weight_scales.block_shape if weight_scales else None,
-            expert_map is not None, partial, grad_weights)
+            expert_map is not None, partial, grad_weights, lora=lora)
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,
                topk_weights if apply_router_weight_on_input else None, expert_map, grad_x,

@@ -23,10 +23,9 @@ from tmoe.kernels._details.gemm_epilogue import moe_epilogue
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.activation import NO_ACTIVATION_ARGS, Activation
 from tmoe.kernels.gemm_args import (
-    fit_shared_memory, persistent_epilogue_bytes, scale_args, tma_addressable, uniform_w_scale, weight_descriptor,
+    fit_shared_memory, fused_quant_group, persistent_epilogue_bytes, scale_args, tma_addressable, uniform_w_scale, weight_descriptor,
 )
 from tmoe.kernels.gemm_config import GemmConfig
-from tmoe.kernels.moe_gemm import fused_quant_group
 from tmoe.kernels.operands import Routing, Scales
 from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.device import persistent_programs, shared_memory_budget, sm_count

@@ -34,7 +34,10 @@ class LayerArgs(NamedTuple):
     rows (and w1_bias) alternate gate and up (row 2j gate j, row 2j + 1 up j; GPT-OSS's layout)
     instead of gate rows then up rows. Weight-only low-bit (``FusedMoEQuantConfig(weight_dtype=...)``):
     w1/w2 uint8 in vLLM's packed layouts, ``w1_scale``/``w2_scale`` group scales,
-    ``w1_zp``/``w2_zp`` optional zero points (int4/int8).
+    ``w1_zp``/``w2_zp`` optional zero points (int4/int8). LoRA on the experts (float weights):
+    ``w1_lora_a`` (E, r1, K) and ``w1_lora_b`` (E, 2N, r1) (w1's rows), ``w2_lora_a`` (E, r2, N)
+    and ``w2_lora_b`` (E, K, r2), hidden_states' dtype, each pair optional, r <= 128; the experts
+    run w + ``lora_scale`` * b @ a (None: 1.0) without forming it (``tmoe.kernels.lora``).
     """
 
     hidden_states: torch.Tensor
@@ -57,6 +60,11 @@ class LayerArgs(NamedTuple):
     gate_up_interleaved: bool = False
     w1_zp: torch.Tensor | None = None
     w2_zp: torch.Tensor | None = None
+    w1_lora_a: torch.Tensor | None = None
+    w1_lora_b: torch.Tensor | None = None
+    w2_lora_a: torch.Tensor | None = None
+    w2_lora_b: torch.Tensor | None = None
+    lora_scale: RuntimeFloat | None = None
 
     def activation_value(self) -> Activation:
         """``activation`` and its options as the one value the experts and kernels carry."""

@@ -12,6 +12,7 @@ from tmoe.kernels.activation import ACTIVATIONS, Activation
 from tmoe.kernels.router import SCORINGS
 from tmoe.kernels.operands import check_low_bit_operand, codes_per_byte
 from tmoe.modular.call import LayerArgs
+from tmoe.modular.lora_checks import check_lora
 from tmoe.modular.problem import MoEProblem, global_expert_count
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 from tmoe.runtime import interpreter
@@ -111,7 +112,9 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> MoEProblem:
         if k % bk or n % bk:
             raise ValueError(f"block_shape[1]={bk} (the activation group size) must divide the hidden size K={k} "
                              f"and the intermediate size N={n}")
-    return MoEProblem(num_experts, e, n, k, args.topk_ids.shape[1], activation, x.dtype, args.w1.dtype)
+    lora_ranks = check_lora(args, quant, e, rows, n)
+    return MoEProblem(num_experts, e, n, k, args.topk_ids.shape[1], activation, x.dtype, args.w1.dtype,
+                      lora_ranks=lora_ranks)
 
 
 def check_activation(activation: Activation) -> None:

@@ -12,6 +12,7 @@ from tmoe.config import (
     use_direct_route, use_fused_route, use_grouped_route, use_slot_route,
 )
 from tmoe.kernels.align import moe_align_block_size
+from tmoe.kernels.lora import LoraOperands, LoraWeights, padded_rank
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales, operand_scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
@@ -25,6 +26,17 @@ from tmoe.modular.quantize import quantize_activations
 
 _STANDARD = FusedMoEActivationFormat.Standard
 _BATCHED = FusedMoEActivationFormat.BatchedExperts
+
+
+def lora_rows(lora: LoraWeights, a: torch.Tensor, num_slots: int, cfg: GemmConfig, gemm: Callable[..., torch.Tensor],
+              route: dict) -> LoraOperands:
+    """The LoRA term of a GEMM of rows ``a`` (``route``: its routing keywords, the router weight
+    dropped: the epilogue applies it after the term): t = a @ lora.a[e].T of every slot (num_slots,
+    r), by ``gemm`` itself, with lora.b and lora.scale for the epilogue (``tmoe.kernels.lora``)."""
+    t = torch.empty((num_slots, lora.rank), dtype=a.dtype, device=a.device)
+    shrink_route = {name: v for name, v in route.items() if name != "topk_weights"}
+    gemm(a, lora.a, t, replace(cfg, block_n=padded_rank(lora.rank)), gated=False, **shrink_route)
+    return LoraOperands(t, lora.b, lora.scale)
 
 
 class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
@@ -61,6 +73,8 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         n = inter.shape[-1]
         scales = self._scales(a_scale, call.w1_scale, call.w1_zp)
         kw = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias, **route)
+        if call.w1_lora is not None:
+            kw["lora"] = lora_rows(call.w1_lora, x, call.topk_ids.numel(), up_cfg, gemm, route)
         if call.preact is not None:
             kw["pre_out"] = call.preact
         group = self._fused_quant_group(n, up_cfg.block_n, call.a2_scale, call.problem.batch_invariant)
@@ -77,6 +91,8 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         """The down GEMM of the quantized intermediate into ``out`` by ``gemm`` (``route``: its
         routing keywords)."""
         scales = self._scales(a2q_scale, call.w2_scale, call.w2_zp)
+        if call.w2_lora is not None:
+            route = dict(route, lora=lora_rows(call.w2_lora, a2q, call.topk_ids.numel(), down_cfg, gemm, route))
         gemm(a2q, call.w2, out, down_cfg, gated=False, scales=scales, bias=call.w2_bias, **route)
 
     def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device,
@@ -102,8 +118,13 @@ class TritonExperts(_TritonExpertsBase):
     def supports_chunking(self) -> bool:
         return True
 
+    def supports_lora(self) -> bool:
+        return True
+
     def route(self, problem: MoEProblem, m: int, may_reduce: bool, args: LayerArgs, rows_copied: bool) -> Route:
         qc = self.quant_config
+        if problem.lora:  # the adapters' epilogue term runs on the pointer-gathered GEMMs (moe_gemm)
+            return Route.SLOTS if use_slot_route(m) else Route.SORTED
         # the fused and direct routes sum a token's slots in float32 before rounding, the others round
         # each slot's output first: a batch-invariant call keeps to the second kind unless one is forced
         may_reduce = may_reduce and not (problem.batch_invariant and not route_forced())

@@ -16,6 +16,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from tmoe.kernels.activation import Activation
+from tmoe.kernels.lora import LoraWeights
 from tmoe.kernels.route import Route
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.problem import MoEProblem
@@ -54,7 +55,7 @@ class ExpertsCall(NamedTuple):
     ``tmoe.modular.LayerArgs``'s (``w1`` is (E, N, K) for a *_no_mul activation; ``w1_zp``/
     ``w2_zp`` zero points of int4/int8 weights); ``preact`` (M' * topk, 2N) (N for a *_no_mul
     activation): where training's forward saves each slot's pre-activation (``TritonExperts``'
-    aligned routes), else None."""
+    aligned routes), else None; ``w1_lora``/``w2_lora``: the call's adapters (``LoraWeights``), else None."""
 
     route: Route
     problem: MoEProblem
@@ -75,6 +76,8 @@ class ExpertsCall(NamedTuple):
     w2_zp: torch.Tensor | None
     apply_router_weight_on_input: bool
     preact: torch.Tensor | None = None
+    w1_lora: LoraWeights | None = None
+    w2_lora: LoraWeights | None = None
 
     @property
     def n(self) -> int:
@@ -207,6 +210,10 @@ class FusedMoEPermuteExpertsUnpermute(ABC):
         return False
 
     def supports_expert_map(self) -> bool:
+        return False
+
+    def supports_lora(self) -> bool:
+        """Runs LoRA adapters on the expert weights (``LayerArgs.w1_lora_a`` ...)."""
         return False
 
     @abstractmethod

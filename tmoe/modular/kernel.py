@@ -25,6 +25,7 @@ from tmoe.modular.interfaces import (
     EXPERTS_KINDS, PREPARE_FINALIZE_KINDS, ExpertsCall, FusedMoEPermuteExpertsUnpermute, FusedMoEPrepareAndFinalize,
     Route,
 )
+from tmoe.modular.lora_checks import has_lora, lora_weights
 from tmoe.modular.problem import MoEProblem
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
@@ -120,6 +121,9 @@ class KernelSpec:
         and the call's scales and frozen weights allow one (``check_recorded_call``)."""
         check_trainable(args, self.prepare_finalize, self.experts, self.quant.dtype_name, self.quant.weight_dtype)
         check_recorded_call(args, self.quant)
+        if has_lora(args) and not self.saves_preactivation:
+            raise NotImplementedError("training LoRA adapters runs on NoEPPrepareAndFinalize with TritonExperts and "
+                                      "float experts (tmoe.fused_experts' default); not on this composition")
 
     def check_call(self, args: LayerArgs) -> None:
         """The mode's refusals (``check_batch_invariant``) where the mode is on (the layer op's fake)."""
@@ -237,6 +241,9 @@ class ModularKernel:
             problem = replace(problem, batch_invariant=True)
         if args.expert_map is not None and not experts.supports_expert_map():
             raise ValueError(f"{type(experts).__name__} does not support expert_map")
+        if problem.lora and not experts.supports_lora():
+            raise NotImplementedError(f"{type(experts).__name__} does not run LoRA adapters (w1_lora_a ...); "
+                                      "TritonExperts does")
         x = args.hidden_states
         m = x.shape[0]
         n, k, topk, e_local = problem.n, problem.k, problem.topk, problem.num_local_experts
@@ -272,7 +279,7 @@ class ModularKernel:
             prepared.expert_num_tokens, prepared.topk_weights if prepared.topk_weights is not None else weights,
             prepared.topk_ids if prepared.topk_ids is not None else ids, args.w1, args.w2, args.expert_map,
             args.w1_scale, args.w2_scale, args.a2_scale, args.w1_bias, args.w2_bias, args.w1_zp, args.w2_zp, on_input,
-            preact,
+            preact, lora_weights(args, "w1"), lora_weights(args, "w2"),
         )
         experts.apply(fused_out, call, ws13, ws2)
         pf.finalize(output, fused_out, weights, ids, on_input, num_experts=problem.num_experts,

@@ -36,6 +36,12 @@ class MoEProblem:
     dtype: torch.dtype
     weight_dtype: torch.dtype
     batch_invariant: bool = False
+    lora_ranks: tuple[int, int] = (0, 0)
+
+    @property
+    def lora(self) -> bool:
+        """The call carries a LoRA adapter on w1 or w2 (``lora_ranks``: their ranks, 0 for none)."""
+        return any(self.lora_ranks)
 
     @property
     def w1_rows(self) -> int:

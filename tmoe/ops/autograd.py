@@ -49,8 +49,10 @@ def _layer_setup(ctx, inputs: tuple, output: torch.Tensor, preact: torch.Tensor 
     block_shape = spec.quant.block_shape if spec.quant.quant_dtype is not None else None
     ctx.block_shape = list(block_shape) if block_shape else None
     ctx.on_input = call.apply_router_weight_on_input
+    ctx.lora_scale = 1.0 if call.lora_scale is None else call.lora_scale
     ctx.save_for_backward(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, call.expert_map,
-                          call.w1_bias, call.w2_bias, call.w1_scale, call.w2_scale, preact)
+                          call.w1_bias, call.w2_bias, call.w1_scale, call.w2_scale, preact, call.w1_lora_a,
+                          call.w1_lora_b, call.w2_lora_a, call.w2_lora_b)
 
 
 def _train_setup(ctx, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -68,7 +70,8 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     if ctx.scheme is not None and ctx.block_shape is None:
         raise NotImplementedError(f"gradients through frozen quantized experts ({ctx.scheme}) are not supported yet "
                                   "(block fp8 is): run the quantized layer under torch.no_grad(), or train float experts")
-    x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, w1_scale, w2_scale, preact = ctx.saved_tensors
+    (x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, w1_scale, w2_scale, preact, a1, b1, a2,
+     b2) = ctx.saved_tensors
     problem, on_input, needs = ctx.problem, ctx.on_input, ctx.needs_input_grad
     act, e_local, num_experts = problem.activation, problem.num_local_experts, problem.num_experts
     num_local = e_local if expert_map is not None else None
@@ -89,26 +92,41 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
         topk_ids.contiguous(), block_m=block_m, num_experts=num_experts, expert_map=expert_map,
         num_local_experts=num_local)
     activation, swiglu_alpha, swiglu_limit, gate_up_interleaved = act.as_args()
+    align = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=num_post_padded,
+                 block_m=block_m)
+    scale = ctx.lora_scale
+    # w2's adapter: u2 = grad_out @ b2[e] per slot, read by g's GEMM (g = go @ (w2 + s b2 a2)) and dA2
+    u2 = tmoe.moe_lora_token_rows(grad_out, b2.transpose(1, 2), **align, topk=topk_ids.shape[1]) if a2 is not None else None
     grad_h, inter, partial = tmoe.moe_grad_act(
         grad_out, x, w1, w2, topk_weights, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
         num_tokens_post_padded=num_post_padded, block_m=block_m, w1_bias=w1_bias, w2_bias=w2_bias,
         activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
         gate_up_interleaved=gate_up_interleaved, apply_router_weight_on_input=on_input, w1_scale=w1_scale,
-        w2_scale=w2_scale, block_shape=ctx.block_shape, preact=preact)
+        w2_scale=w2_scale, block_shape=ctx.block_shape, preact=preact, w2_lora_u=u2, w2_lora_a=a2, lora_scale=scale)
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
-    rows = dict(topk_weights=topk_weights, sorted_ids=sorted_ids, offsets=offsets, block_m=block_m, e_local=e_local,
-                expert_map=expert_map)
+    expert_rows = dict(sorted_ids=sorted_ids, offsets=offsets, block_m=block_m, e_local=e_local, expert_map=expert_map)
+    rows = dict(topk_weights=topk_weights, **expert_rows)
     # Each workspace is released once its last reader ran (the peak holds the gradients and grad_h
     # only): dW2 = sum go^T (w a) first (inter holds w a; a alone when the forward scaled the input)
     _weight_grads(grads, needs, "w2", "w2_bias", w2_bias is not None, left=grad_out, right=inter, tokens_left=True,
                   scale_tokens=False, weighted_bias=not on_input, transposed=stored_transposed(w2), **rows)
-    del inter
+    if a2 is not None:  # dB2 = s sum go^T (inter @ a2[e].T), dA2 = s sum u2^T inter
+        if needs[_INDEX["w2_lora_b"]]:
+            t2 = tmoe.moe_lora_aligned_rows(inter, a2.transpose(1, 2), **align, num_slots=topk_weights.numel())
+            grads[_INDEX["w2_lora_b"]] = _lora_grad(grad_out, t2, topk_weights, True, False, b2, scale,
+                                                    **expert_rows)
+        if needs[_INDEX["w2_lora_a"]]:
+            grads[_INDEX["w2_lora_a"]] = _lora_grad(u2, inter, topk_weights.view(-1, 1), True, False, a2, scale,
+                                                    **expert_rows)
+    del inter, u2
+    # w1's adapter: u1 = grad_h @ b1[e] in aligned rows, read by dx's GEMM (dx = dh @ (w1 + s b1 a1)) and dA1
+    u1 = tmoe.moe_lora_aligned_rows(grad_h, b1, **align, num_slots=topk_weights.numel()) if a1 is not None else None
     if needs[_INDEX["hidden_states"]] or needs[_INDEX["topk_weights"]]:
         grad_x, grad_w = tmoe.moe_grad_input(
             grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
             num_tokens_post_padded=num_post_padded, block_m=block_m, num_experts=num_experts, expert_map=expert_map,
             num_local_experts=num_local, apply_router_weight_on_input=on_input, w1_scale=w1_scale,
-            block_shape=ctx.block_shape)
+            block_shape=ctx.block_shape, w1_lora_u=u1, w1_lora_a=a1, lora_scale=scale)
         if ctx.group:  # each rank's tokens collect their slots' gradients from every rank's experts
             grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group)[:m].to(grad_x.dtype)
             grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)[:m]
@@ -117,7 +135,26 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     # dW1[e] = sum dh^T x (x times the router weight when the forward scaled the input)
     _weight_grads(grads, needs, "w1", "w1_bias", w1_bias is not None, left=grad_h, right=x, tokens_left=False,
                   scale_tokens=on_input, weighted_bias=False, transposed=stored_transposed(w1), **rows)
+    if a1 is not None:  # dA1 = s sum u1^T x, dB1 = s sum dh^T (x @ a1[e].T) (x times the weight on input)
+        if needs[_INDEX["w1_lora_a"]]:
+            grads[_INDEX["w1_lora_a"]] = _lora_grad(u1, x, topk_weights, False, on_input, a1, scale, **expert_rows)
+        if needs[_INDEX["w1_lora_b"]]:
+            t1 = tmoe.moe_lora_token_rows(x, a1, **align, topk=topk_ids.shape[1])
+            grads[_INDEX["w1_lora_b"]] = _lora_grad(grad_h, t1, topk_weights.view(-1, 1), False, on_input, b1, scale,
+                                                    **expert_rows)
     return tuple(grads)
+
+
+def _lora_grad(left: torch.Tensor, right: torch.Tensor, topk_weights: torch.Tensor, tokens_left: bool,
+               scale_tokens: bool, factor: torch.Tensor, scale, *, sorted_ids: torch.Tensor, offsets: torch.Tensor,
+               block_m: int, e_local: int, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """A LoRA factor's gradient: scale * sum over each expert's rows of left^T right (one K-grouped
+    GEMM, ``moe_grad_weight``; the token operand a slot tensor where ``topk_weights`` is (slots, 1))."""
+    grad = torch.ops.tmoe.moe_grad_weight(
+        left, right, topk_weights, sorted_token_ids=sorted_ids, expert_offsets=offsets, num_local_experts=e_local,
+        tokens_left=tokens_left, scale_tokens=scale_tokens, block_m=block_m, expert_map=expert_map,
+        transposed=stored_transposed(factor))
+    return grad if scale == 1.0 else grad * scale
 
 
 def _weight_grads(grads: list, needs: tuple, weight: str, bias: str, has_bias: bool, *, left: torch.Tensor,

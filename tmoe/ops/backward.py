@@ -14,9 +14,11 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tmoe.config.backward import act_tiles, grad_act_blocks, input_tiles, weight_tiles
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
-from tmoe.kernels.checks import INDEX_DTYPES, check_tensor
+from tmoe.kernels.checks import INDEX_DTYPES, check_shape, check_tensor
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.grad_checks import check_grad_act, check_grad_input, check_grad_weight, check_preact
+from tmoe.kernels.lora import LoraOperands
+from tmoe.kernels.lora_rows import lora_aligned_rows as _lora_aligned_rows, lora_token_rows as _lora_token_rows
 from tmoe.kernels.moe_grad_act import moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_bias import moe_grad_bias as _grad_bias
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
@@ -55,18 +57,39 @@ def moe_grad_act(
     w1_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, activation: str, swiglu_alpha: float | None,
     swiglu_limit: float | None, gate_up_interleaved: bool, apply_router_weight_on_input: bool,
     w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, block_shape: list[int] | None = None,
-    preact: torch.Tensor | None = None,
+    preact: torch.Tensor | None = None, w2_lora_u: torch.Tensor | None = None, w2_lora_a: torch.Tensor | None = None,
+    lora_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``;
     frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``;
-    ``preact`` (M * topk, 2N): the forward's saved pre-activation (None: recomputed)."""
+    ``preact`` (M * topk, 2N): the forward's saved pre-activation (None: recomputed). w2's LoRA
+    adapter (with ``preact``): ``w2_lora_u`` (M * topk, r) = grad_out @ w2_lora_b[e] per slot
+    (``moe_lora_token_rows``) and ``w2_lora_a`` (E, r, N): g takes lora_scale * u @ a[e]."""
     act, scales = _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids,
                                      num_tokens_post_padded, w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
                                      gate_up_interleaved, w1_scale, w2_scale, block_shape, preact)
+    lora = _lora_operands("w2", w2_lora_u, w2_lora_a, lora_scale, topk_weights.numel(), preact is None)
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
                      num_tokens_post_padded, activation=act, block_m=block_m, tiles=act_tiles(block_m),
                      apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
-                     weight_scales=scales, preact=preact)
+                     weight_scales=scales, preact=preact, lora=lora)
+
+
+def _lora_operands(weight: str, u: torch.Tensor | None, a: torch.Tensor | None, scale: float, rows: int,
+                   needs_preact: bool = False) -> LoraOperands | None:
+    """A backward GEMM's LoRA term from the op's arguments ``{weight}_lora_u`` (rows, r) and
+    ``{weight}_lora_a`` (E, r, C) (checked), or None; ``needs_preact``: the op got no saved
+    pre-activation, which its LoRA term needs."""
+    if u is None and a is None:
+        return None
+    if u is None or a is None:
+        raise ValueError(f"{weight}_lora_u and {weight}_lora_a must be given together")
+    if needs_preact:
+        raise ValueError(f"{weight}_lora_u needs the forward's saved preact")
+    check_tensor(f"{weight}_lora_u", u, ndim=2, device=a.device)
+    check_tensor(f"{weight}_lora_a", a, dtypes=(u.dtype,), ndim=3)
+    check_shape(f"{weight}_lora_u", u, (rows, a.shape[1]))
+    return LoraOperands(u, a.transpose(1, 2), scale)
 
 
 def _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -85,10 +108,11 @@ def _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expe
 @moe_grad_act.register_fake
 def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
       w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
-      w1_scale=None, w2_scale=None, block_shape=None, preact=None):
+      w1_scale=None, w2_scale=None, block_shape=None, preact=None, w2_lora_u=None, w2_lora_a=None, lora_scale=1.0):
     _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
                        w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, w1_scale,
                        w2_scale, block_shape, preact)
+    _lora_operands("w2", w2_lora_u, w2_lora_a, lora_scale, topk_weights.numel(), preact is None)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
     return new((p, w1.shape[1])), new((p, n)), new((p, grad_act_blocks(n, block_m)), dtype=torch.float32)
@@ -100,16 +124,20 @@ def moe_grad_input(
     topk_ids: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_tokens_post_padded: torch.Tensor, block_m: int, num_experts: int, expert_map: torch.Tensor | None,
     num_local_experts: int | None, apply_router_weight_on_input: bool, w1_scale: torch.Tensor | None = None,
-    block_shape: list[int] | None = None,
+    block_shape: list[int] | None = None, w1_lora_u: torch.Tensor | None = None,
+    w1_lora_a: torch.Tensor | None = None, lora_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x (M, K), grad_topk_weights (M, topk) float32): see ``tmoe.kernels.moe_grad_input``;
-    a frozen block-fp8 w1 comes with its ``w1_scale`` and ``block_shape``."""
+    a frozen block-fp8 w1 comes with its ``w1_scale`` and ``block_shape``; w1's LoRA adapter:
+    ``w1_lora_u`` (P, r) = grad_h @ w1_lora_b[e] in aligned rows (``moe_lora_aligned_rows``) and
+    ``w1_lora_a`` (E, r, K): each slot's dx takes lora_scale * u @ a[e]."""
     check_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded)
+    lora = _lora_operands("w1", w1_lora_u, w1_lora_a, lora_scale, grad_h.shape[0])
     return _grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
                        num_tokens_post_padded, num_experts, expert_map=expert_map,
                        num_local_experts=num_local_experts, apply_router_weight_on_input=apply_router_weight_on_input,
                        block_m=block_m, tiles=input_tiles(topk_ids.shape[0]),
-                       weight_scales=_w1_scales(w1, w1_scale, block_shape))
+                       weight_scales=_w1_scales(w1, w1_scale, block_shape), lora=lora)
 
 
 def _w1_scales(w1: torch.Tensor, w1_scale: torch.Tensor | None, block_shape: list[int] | None) -> BlockScales | None:
@@ -119,11 +147,57 @@ def _w1_scales(w1: torch.Tensor, w1_scale: torch.Tensor | None, block_shape: lis
 
 @moe_grad_input.register_fake
 def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m,
-      num_experts, expert_map, num_local_experts, apply_router_weight_on_input, w1_scale=None, block_shape=None):
+      num_experts, expert_map, num_local_experts, apply_router_weight_on_input, w1_scale=None, block_shape=None,
+      w1_lora_u=None, w1_lora_a=None, lora_scale=1.0):
     check_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded)
     _w1_scales(w1, w1_scale, block_shape)
+    _lora_operands("w1", w1_lora_u, w1_lora_a, lora_scale, grad_h.shape[0])
     m, topk = topk_ids.shape
     return grad_h.new_empty((m, w1.shape[2])), grad_h.new_empty((m, topk), dtype=torch.float32)
+
+
+@torch.library.custom_op("tmoe::moe_lora_token_rows", mutates_args=())
+def moe_lora_token_rows(
+    a: torch.Tensor, factor: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor, block_m: int, topk: int,
+) -> torch.Tensor:
+    """(M * topk, r): each slot's a[token] @ factor[e].T (a (M, C), factor (E, r, C) any strides):
+    see ``tmoe.kernels.lora_rows``."""
+    _check_lora_rows(a, factor, 2)
+    return _lora_token_rows(a, factor, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m=block_m,
+                            topk=topk)
+
+
+@moe_lora_token_rows.register_fake
+def _(a, factor, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, topk):
+    _check_lora_rows(a, factor, 2)
+    return a.new_empty((a.shape[0] * topk, factor.shape[1]))
+
+
+@torch.library.custom_op("tmoe::moe_lora_aligned_rows", mutates_args=())
+def moe_lora_aligned_rows(
+    d: torch.Tensor, factor: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor, block_m: int, num_slots: int,
+) -> torch.Tensor:
+    """(P, r): each aligned row's d[p] @ factor[e] (d (P, C), factor (E, C, r) any strides): see
+    ``tmoe.kernels.lora_rows``."""
+    _check_lora_rows(d, factor, 1)
+    return _lora_aligned_rows(d, factor, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m=block_m,
+                              num_slots=num_slots)
+
+
+@moe_lora_aligned_rows.register_fake
+def _(d, factor, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_slots):
+    _check_lora_rows(d, factor, 1)
+    return d.new_empty((d.shape[0], factor.shape[2]))
+
+
+def _check_lora_rows(a: torch.Tensor, factor: torch.Tensor, c_dim: int) -> None:
+    """Rows (n, C) against a factor (E, ., .) whose dimension ``c_dim`` is C, in the rows' dtype."""
+    check_tensor("a", a, ndim=2)
+    check_tensor("factor", factor, dtypes=(a.dtype,), ndim=3, device=a.device)
+    if factor.shape[c_dim] != a.shape[1]:
+        raise ValueError(f"factor {tuple(factor.shape)} does not match rows of {a.shape[1]} columns")
 
 
 @torch.library.custom_op("tmoe::moe_grad_weight", mutates_args=())

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels._details.common import abs_no_nan, act_and_mul, act_no_mul, fp8_scale, to_fp8
+from tmoe.kernels._details.lora_dot import lora_term
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -28,12 +29,28 @@ def moe_epilogue(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, MUL: tl.constexpr,
     INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr, SAVE_PRE: tl.constexpr,
+    lora_u_rows=None,  # [BM] pointers to each row's t = x @ A[e].T (LORA), row = slot
+    lora_b_ptr=None,  # this expert's B[e] (W's rows, rank) (LORA)
+    lora_rank=0, stride_lbn=0, stride_lbr=0, lora_scale=1.0,
+    LORA: tl.constexpr = False, LORA_R: tl.constexpr = 16, PRECISION: tl.constexpr = "tf32",
 ):
     """Up GEMM (GATED): store act((w * x) @ W1 + b1) (the weight scales the input, not the bias),
     QUANT_OUT as fp8 codes and one scale per 1 x GROUP_OUT group (``per_token_group_quant_fp8``);
     SAVE_PRE: also store x @ W1 (before the weight and the bias) in the saved tensor's dtype (gate
     columns, then up columns at + N, whatever W1's row order), which training's backward reads;
-    down GEMM: store w * (h @ W2 + b2). Up biases sit at + N (INTERLEAVED: + 1)."""
+    down GEMM: store w * (h @ W2 + b2). Up biases sit at + N (INTERLEAVED: + 1). LORA: x @ W
+    becomes x @ W + lora_scale * t @ B[e].T first (``lora_dot``; gate and up rows of B in W1's row
+    order), which SAVE_PRE saves as the pre-activation."""
+    if LORA:
+        if GATED and MUL:
+            gate_rows = offs_n * (1 + INTERLEAVED)  # [BN] rows of W1 (and B1)
+            acc = lora_term(acc, lora_u_rows, mask_m, lora_b_ptr, gate_rows, mask_n, lora_rank, stride_lbr,
+                            stride_lbn, lora_scale, LORA_R, PRECISION)
+            up = lora_term(up, lora_u_rows, mask_m, lora_b_ptr, gate_rows + (1 if INTERLEAVED else N), mask_n,
+                           lora_rank, stride_lbr, stride_lbn, lora_scale, LORA_R, PRECISION)
+        else:
+            acc = lora_term(acc, lora_u_rows, mask_m, lora_b_ptr, offs_n, mask_n, lora_rank, stride_lbr, stride_lbn,
+                            lora_scale, LORA_R, PRECISION)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
     if GATED:

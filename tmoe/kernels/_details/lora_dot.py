@@ -1,0 +1,30 @@
+"""Jit helper: the LoRA term of an expert GEMM's output tile, added in its epilogue.
+
+For a tile of rows (slots) of expert e and output columns ``cols`` of the expert's weight W[e]
+(C_out, C_in), the low-rank update of W[e] is ``scale * B[e] @ A[e]`` (B (C_out, r), A (r, C_in)).
+The GEMM's K loop ran over W[e] alone; the epilogue adds ``scale * u @ L[e][:, cols]``, where the
+rows' ``u`` (r values each) is their product with the other factor, computed beforehand by a small
+GEMM of its own: never W[e] + B[e] A[e]. One [BM, R] x [R, BN] dot (R the rank padded to a power
+of two, at least 16), float32 accumulation."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def lora_term(
+    acc,  # [BM, BN] float32 tile of the GEMM
+    u_rows,  # [BM] int64 pointers to the rows' first u value (u [rows, rank], x's dtype)
+    mask_m,  # [BM] valid rows
+    l_ptr,  # this expert's factor L[e]: element (j, c) at l_ptr + j * stride_lr + c * stride_lc
+    cols,  # [BN] int64 output columns of the tile in L's column space
+    mask_n,  # [BN] valid columns
+    rank, stride_lr, stride_lc, scale,
+    LORA_R: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """acc + scale * u[rows, :rank] @ L[:rank, cols] (float32 [BM, BN]); masked rows and columns add 0."""
+    offs_r = tl.arange(0, LORA_R)
+    mask_r = offs_r < rank
+    u = tl.load(u_rows[:, None] + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # [BM, R]
+    lt = tl.load(l_ptr + offs_r[:, None] * stride_lr + cols[None, :] * stride_lc,
+                 mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [R, BN]
+    return acc + scale * tl.dot(u, lt, input_precision=PRECISION)
