@@ -115,6 +115,15 @@ SCRIPT = textwrap.dedent("""
     tmoe.fused_experts(many.x, many.w1.to(FP8), many.w2.to(FP8), many.topk_weights, many.topk_ids,  # interleaved rows
                        activation="swigluoai", gate_up_interleaved=True, quant_config=fp8["quant_config"],
                        w1_scale=torch.ones(32, 2, 2), w2_scale=torch.ones(32, 2, 1)).sum().backward()
+    # LoRA adapters on frozen experts: the epilogue's rank-deep term (slot and sorted routes), the
+    # factor rows of the backward and the input gradients' term (ranks 8 and 32)
+    lora = dict(w1_lora_a=torch.randn(4, 8, 256), w1_lora_b=torch.randn(4, 256, 8), w2_lora_a=torch.randn(4, 32, 128),
+                w2_lora_b=torch.randn(4, 256, 32))
+    lora = {name: t.to(torch.bfloat16).requires_grad_() for name, t in lora.items()}
+    for route in ("slots", "sorted"):
+        with tmoe.override_route(route):
+            tmoe.fused_experts(train[0], p.w1, p.w2, p.topk_weights, p.topk_ids, lora_scale=2.0,
+                               **lora).sum().backward()
     tmoe.topk_route(torch.randn(9, 16, requires_grad=True), 2)[0].sum().backward()
     tmoe.per_token_quant_fp8(p.x)
     tmoe.static_quant_fp8(p.x, torch.ones(1))

@@ -91,7 +91,8 @@ def _grouped_gemm_kernel(
                      offs_n < N, offs_n, slots, bias_ptrs, topk_weights_ptr, out_scale_ptr + rows * stride_osm,
                      pre_ptr + tl.where(mask_m, slots, 0) * stride_pm, pid_n, N, stride_osg, quant_eps, act_alpha,
                      act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT,
-                     HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE)
+                     HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE, rows, pre_ptr, 0, 0, 0, 1.0, False, 16,
+                     PRECISION)  # no LoRA term on the grouped core
     pdl_launch_dependents(USE_PDL)
 
 

@@ -29,10 +29,10 @@ def moe_epilogue(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATED: tl.constexpr, MUL: tl.constexpr,
     INTERLEAVED: tl.constexpr, ACTIVATION: tl.constexpr, CLAMP: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr, SAVE_PRE: tl.constexpr,
-    lora_u_rows=None,  # [BM] pointers to each row's t = x @ A[e].T (LORA), row = slot
-    lora_b_ptr=None,  # this expert's B[e] (W's rows, rank) (LORA)
-    lora_rank=0, stride_lbn=0, stride_lbr=0, lora_scale=1.0,
-    LORA: tl.constexpr = False, LORA_R: tl.constexpr = 16, PRECISION: tl.constexpr = "tf32",
+    lora_u_rows,  # [BM] pointers to each row's t = x @ A[e].T (LORA), row = slot
+    lora_b_ptr,  # this expert's B[e] (W's rows, rank) (LORA)
+    lora_rank, stride_lbn, stride_lbr, lora_scale,
+    LORA: tl.constexpr, LORA_R: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Up GEMM (GATED): store act((w * x) @ W1 + b1) (the weight scales the input, not the bias),
     QUANT_OUT as fp8 codes and one scale per 1 x GROUP_OUT group (``per_token_group_quant_fp8``);
