@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,6 +102,43 @@ def test_peft_lora_on_experts_matches_eager(name):
     assert any("lora_" in n for n in want[2]), "LoRA parameters got no gradient"
     model.set_experts_implementation("tmoe")
     _assert_same_step(_step(model, tokens), want, f"{name} LoRA")
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_peft_lora_runs_fused(name):
+    """With tmoe, PEFT's adapted expert weight W + s * lhs @ rhs feeds nothing: the factors reach
+    tmoe's adapter ops, and the backward runs no bmm (eager's backward of the baddbmm does). PEFT
+    still forms the sum once per forward when it registers its parametrization (torch's
+    consistency check), a value nothing reads."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    model = peft.get_peft_model(tiny_model(name), config).base_model.model.train()
+    tokens = _tokens()
+
+    def ops():
+        model.zero_grad(set_to_none=True)
+        with _Ops() as forward:
+            _, loss = _loss(model, tokens)
+        with _Ops() as backward:
+            loss.backward()
+        return forward.names, backward.names
+
+    eager = ops()
+    model.set_experts_implementation("tmoe")
+    fused = ops()
+    assert "aten::bmm" in eager[1] and "aten::bmm" not in fused[1]
+    assert "tmoe::moe_lora_token_rows" in fused[1]
 
 
 def test_compiled_block_trains():

@@ -56,11 +56,18 @@ class ExpertsLayout:
     transposed: bool = False
     bias: bool = False
 
-    def weights(self, experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                                   torch.Tensor | None]:
-        """(w1, w2, w1_bias, w2_bias) in tmoe's layout: the stored tensors, transposed ones as views."""
-        up = "gate_up_proj" if self.activation.mul else "up_proj"
-        w1, w2 = getattr(experts, up), experts.down_proj
+    @property
+    def up_name(self) -> str:
+        """The attribute holding W1: ``gate_up_proj``, or ``up_proj`` for a *_no_mul activation."""
+        return "gate_up_proj" if self.activation.mul else "up_proj"
+
+    def weights(self, experts: nn.Module, stored: dict[str, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(w1, w2, w1_bias, w2_bias) in tmoe's layout: the stored tensors, transposed ones as views;
+        ``stored``: tensors to read instead of the module's attributes (PEFT's unadapted weights)."""
+        up, stored = self.up_name, stored or {}
+        w1 = stored[up] if up in stored else getattr(experts, up)
+        w2 = stored["down_proj"] if "down_proj" in stored else experts.down_proj
         if self.transposed:
             w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
         if not self.bias:

@@ -2,7 +2,8 @@
 
 ``experts_forward`` serves every experts class that carries ``@use_experts_implementation``: it
 reads the class's flags, gating and weights as stored (``tmoe.integrations.hf_layout``) and calls
-``tmoe.fused_experts``, so autograd reaches the module's own Parameters. A module tmoe cannot run
+``tmoe.fused_experts``, so autograd reaches the module's own Parameters; PEFT's
+``target_parameters`` LoRA on them runs fused (``tmoe.integrations.hf_peft``). A module tmoe cannot run
 (a post-expert norm, an activation or gating tmoe lacks) runs its class's own forward, with a
 warning naming why, once per class and reason. ``set_batch_invariant(model, True)`` runs a model's
 experts in tmoe's batch-invariant mode (``tmoe.batch_invariant()`` does it for every call in a block).
@@ -18,6 +19,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from tmoe.fused import fused_experts
 from tmoe.integrations.hf_layout import ExpertsLayout, eager_forward, layout_of
+from tmoe.integrations.hf_peft import peft_adapters
 
 NAME = "tmoe"
 BATCH_INVARIANT = "tmoe_batch_invariant"  # the experts module's attribute set_batch_invariant writes
@@ -60,11 +62,12 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     layout = module_layout(self)
     if isinstance(layout, str):
         return eager_forward(type(self))(self, hidden_states, top_k_index, top_k_weights)
-    w1, w2, b1, b2 = layout.weights(self)
+    stored, adapters = peft_adapters(self, layout.up_name, layout.transposed)  # PEFT's LoRA, run fused
+    w1, w2, b1, b2 = layout.weights(self, stored)
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     out = fused_experts(x.to(w1.dtype), w1, w2, top_k_weights.reshape(x.shape[0], -1).float().contiguous(),
                         top_k_index.reshape(x.shape[0], -1).contiguous(), w1_bias=b1, w2_bias=b2,
-                        batch_invariant=getattr(self, BATCH_INVARIANT, None), **layout.options())
+                        batch_invariant=getattr(self, BATCH_INVARIANT, None), **layout.options(), **adapters)
     return out.to(hidden_states.dtype).view(hidden_states.shape)
 
 
