@@ -120,7 +120,7 @@ SCRIPT = textwrap.dedent("""
     lora = dict(w1_lora_a=torch.randn(4, 8, 256), w1_lora_b=torch.randn(4, 256, 8), w2_lora_a=torch.randn(4, 32, 128),
                 w2_lora_b=torch.randn(4, 256, 32))
     lora = {name: t.to(torch.bfloat16).requires_grad_() for name, t in lora.items()}
-    for route in ("slots", "sorted"):
+    for route in ("slots", "sorted", "grouped"):
         with tmoe.override_route(route):
             tmoe.fused_experts(train[0], p.w1, p.w2, p.topk_weights, p.topk_ids, lora_scale=2.0,
                                **lora).sum().backward()

@@ -36,6 +36,9 @@ class Case:
 CASES = [
     Case("sorted"),
     Case("slots-m3", shape=MoEShape(3, 4, 48, 40, 2), route="slots"),
+    Case("grouped", shape=MoEShape(37, 4, 48, 40, 2), route="grouped"),
+    Case("grouped-w2-only-weight-on-input", shape=MoEShape(21, 4, 48, 40, 1), ranks=(0, 5), route="grouped",
+         options=dict(apply_router_weight_on_input=True)),
     Case("w1-only-rank-1", ranks=(1, 0), scale=None),
     Case("w2-only-rank-33", ranks=(0, 33), scale=2.0, routing="one_hot"),
     Case("swigluoai-interleaved", activation="swigluoai", options=dict(gate_up_interleaved=True)),
@@ -96,7 +99,7 @@ def test_lora_output_and_gradients_match_float64(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("route", ["slots", "sorted"])
+@pytest.mark.parametrize("route", ["slots", "sorted", "grouped"])
 def test_lora_bf16_on_gpu(route):
     m = 5 if route == "slots" else 300
     _check_case(Case("gpu", shape=MoEShape(m, 8, 256, 512, 2), ranks=(16, 16), route=route, dtype=torch.bfloat16),

@@ -26,6 +26,7 @@ from tmoe.kernels.gemm_args import (
     fit_shared_memory, fused_quant_group, persistent_epilogue_bytes, scale_args, tma_addressable, uniform_w_scale, weight_descriptor,
 )
 from tmoe.kernels.gemm_config import GemmConfig
+from tmoe.kernels.lora import LoraOperands, lora_args
 from tmoe.kernels.operands import Routing, Scales
 from tmoe.kernels.sizes import cdiv
 from tmoe.runtime.device import persistent_programs, shared_memory_budget, sm_count
@@ -54,6 +55,9 @@ def _grouped_gemm_kernel(
     num_post_padded_ptr,  # [1] int32
     out_scale_ptr,  # QUANT_OUT: [EM, cdiv(N, GROUP_OUT)] float32, sorted rows
     pre_ptr,  # SAVE_PRE (gated): [num_slots, N_w] the pre-activation, row = slot
+    lora_u_ptr,  # LORA: [EM, rank] t = a @ A[e].T of each sorted row
+    lora_b_ptr,  # LORA: [E, N_w, rank] B, W's LoRA factor
+    lora_rank, stride_lum, stride_lbe, stride_lbn, stride_lbr, lora_scale,
     N, K, num_slots,
     stride_om, stride_on, stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be,
     stride_osm, stride_osg, stride_pm, quant_eps, act_alpha, act_limit,
@@ -63,7 +67,8 @@ def _grouped_gemm_kernel(
     QUANT: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     QUANT_OUT: tl.constexpr, GROUP_OUT: tl.constexpr, SORTED_OUT: tl.constexpr,
     UNIFORM_W_SCALE: tl.constexpr, PRECISION: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr, USE_PDL: tl.constexpr, SAVE_PRE: tl.constexpr,
+    FLATTEN: tl.constexpr, USE_PDL: tl.constexpr, SAVE_PRE: tl.constexpr, LORA: tl.constexpr,
+    LORA_R: tl.constexpr,
 ):
     pdl_wait(USE_PDL)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -91,8 +96,9 @@ def _grouped_gemm_kernel(
                      offs_n < N, offs_n, slots, bias_ptrs, topk_weights_ptr, out_scale_ptr + rows * stride_osm,
                      pre_ptr + tl.where(mask_m, slots, 0) * stride_pm, pid_n, N, stride_osg, quant_eps, act_alpha,
                      act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT,
-                     HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE, rows, pre_ptr, 0, 0, 0, 1.0, False, 16,
-                     PRECISION)  # no LoRA term on the grouped core
+                     HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE, lora_u_ptr + rows * stride_lum,
+                     lora_b_ptr + expert.to(tl.int64) * stride_lbe, lora_rank, stride_lbn, stride_lbr, lora_scale,
+                     LORA, LORA_R, PRECISION)
     pdl_launch_dependents(USE_PDL)
 
 
@@ -123,6 +129,7 @@ def invoke_grouped_gemm(
     out_scale: torch.Tensor | None = None,
     quant_eps: float = 1e-10,
     pre_out: torch.Tensor | None = None,
+    lora: LoraOperands | None = None,
 ) -> torch.Tensor:
     """One expert GEMM on the grouped core. ``a`` (EM, K): expert-sorted rows (``sorted_rows``;
     EM = len(routing.sorted_token_ids)), ``w`` (E, N_w, K) with ``grouped_operands_fit``. ``gated``
@@ -132,10 +139,11 @@ def invoke_grouped_gemm(
     ([num_slots] float32) multiplies each slot's accumulator; ``bias`` (E, N_w). ``config``: tiles
     (``persistent`` and ``tma`` implied; stages and block_k fitted to shared memory). ``pre_out``
     (gated; (num_slots, N_w) contiguous): each slot's pre-activation is stored there too, as
-    ``invoke_moe_gemm``'s. Shapes were checked by the caller. On Hopper, where ``tmoe.runtime.gluon``
+    ``invoke_moe_gemm``'s. ``lora``: the epilogue adds ``lora.scale * u[row] @ B[e].T`` (u (EM, r)
+    in sorted-row order, ``tmoe.kernels.lora``). Shapes were checked by the caller. On Hopper, where ``tmoe.runtime.gluon``
     wants it (the float up GEMM by default), all but block scales and the fused output quantization run on
     the warp-specialized Gluon engine (``gluon_grouped``), the same math; else on this module's ``tl`` kernel."""
-    if (gluon_grouped is not None and out_scale is None and gluon_ready(a.device, ("up" if gated else "down") + (".fp8" if scales is not None else ""))
+    if (gluon_grouped is not None and out_scale is None and lora is None and gluon_ready(a.device, ("up" if gated else "down") + (".fp8" if scales is not None else ""))
             and gluon_grouped.gluon_grouped_fits(a, w, out, config, activation, gated, scales)):
         return gluon_grouped.invoke_gluon_grouped_gemm(
             a, w, out, config, routing, sm_count(a.device), gated=gated, activation=activation,
@@ -171,7 +179,7 @@ def invoke_grouped_gemm(
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         NUM_PROGRAMS=programs, FLATTEN=not gated,
         pre_ptr=pre_out if pre_out is not None else w, stride_pm=pre_out.stride(0) if pre_out is not None else 0,
-        SAVE_PRE=pre_out is not None,
+        SAVE_PRE=pre_out is not None, **lora_args(lora, w),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(),
     )
     sa = scale_args(scales, a, w, config, config.block_n * (1 + mul))

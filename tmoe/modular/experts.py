@@ -13,6 +13,7 @@ from tmoe.config import (
 )
 from tmoe.kernels.align import moe_align_block_size
 from tmoe.kernels.lora import LoraOperands, LoraWeights, padded_rank
+from tmoe.kernels.lora_rows import lora_aligned_rows
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales, operand_scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
@@ -32,7 +33,13 @@ def lora_rows(lora: LoraWeights, a: torch.Tensor, num_slots: int, cfg: GemmConfi
               route: dict) -> LoraOperands:
     """The LoRA term of a GEMM of rows ``a`` (``route``: its routing keywords, the router weight
     dropped: the epilogue applies it after the term): t = a @ lora.a[e].T of every slot (num_slots,
-    r), by ``gemm`` itself, with lora.b and lora.scale for the epilogue (``tmoe.kernels.lora``)."""
+    r), by ``gemm`` itself, or on the grouped core of every expert-sorted row (EM, r), with lora.b
+    and lora.scale for the epilogue (``tmoe.kernels.lora``)."""
+    if gemm is invoke_grouped_gemm:  # expert-sorted rows in, t in the same order
+        rows = route["routing"]
+        t = lora_aligned_rows(a, lora.a.transpose(1, 2), rows.sorted_token_ids, rows.expert_ids,
+                              rows.num_tokens_post_padded, block_m=cfg.block_m, num_slots=num_slots)
+        return LoraOperands(t, lora.b, lora.scale)
     t = torch.empty((num_slots, lora.rank), dtype=a.dtype, device=a.device)
     shrink_route = {name: v for name, v in route.items() if name != "topk_weights"}
     gemm(a, lora.a, t, replace(cfg, block_n=padded_rank(lora.rank)), gated=False, **shrink_route)
@@ -123,8 +130,11 @@ class TritonExperts(_TritonExpertsBase):
 
     def route(self, problem: MoEProblem, m: int, may_reduce: bool, args: LayerArgs, rows_copied: bool) -> Route:
         qc = self.quant_config
-        if problem.lora:  # the adapters' epilogue term runs on the pointer-gathered GEMMs (moe_gemm)
-            return Route.SLOTS if use_slot_route(m) else Route.SORTED
+        if problem.lora:  # the adapters' epilogue term runs on moe_gemm's routes and the grouped core
+            if use_slot_route(m):
+                return Route.SLOTS
+            grouped = use_grouped_route(m, problem.topk, problem.num_local_experts, problem.n, False)
+            return Route.GROUPED if grouped and self._grouped_fits(problem, args, rows_copied) else Route.SORTED
         # the fused and direct routes sum a token's slots in float32 before rounding, the others round
         # each slot's output first: a batch-invariant call keeps to the second kind unless one is forced
         may_reduce = may_reduce and not (problem.batch_invariant and not route_forced())
