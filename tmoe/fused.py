@@ -11,7 +11,6 @@ from tmoe.modular import KernelSpec, NoEPPrepareAndFinalize, TritonExperts, buil
 from tmoe.modular.call import LayerArgs
 from tmoe.kernels.checks import boolean
 from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, needs_grad
-from tmoe.modular.lora_checks import has_lora
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 _NO_QUANT = FusedMoEQuantConfig()
@@ -90,7 +89,7 @@ def run_layer_op(args: LayerArgs, spec: KernelSpec, inplace: bool, save_preactiv
     if needs_grad(args):  # before any launch: the composition and weights must have a backward
         if not torch.compiler.is_compiling():  # compiled: the op's autograd setup checks on fake tensors
             spec.check_trainable(args)
-        if (save_preactivation or has_lora(args)) and spec.saves_preactivation:  # LoRA's backward reads it
+        if save_preactivation and spec.saves_preactivation:
             return torch.ops.tmoe.modular_forward_train(*args, *spec_args)[0]
     return torch.ops.tmoe.modular_forward(*args, *spec_args)
 

@@ -31,6 +31,7 @@ class Case:
     activation: str = "silu"
     options: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
+    save_preactivation: bool = True  # False: the backward recomputes it (with w1's adapter term)
 
 
 CASES = [
@@ -44,6 +45,12 @@ CASES = [
     Case("swigluoai-interleaved", activation="swigluoai", options=dict(gate_up_interleaved=True)),
     Case("relu2_no_mul", activation="relu2_no_mul", routing="out_of_range"),
     Case("weight-on-input", shape=MoEShape(9, 4, 48, 40, 1), options=dict(apply_router_weight_on_input=True)),
+    Case("recomputed", save_preactivation=False),
+    Case("recomputed-swigluoai-interleaved", activation="swigluoai", options=dict(gate_up_interleaved=True),
+         save_preactivation=False),
+    Case("recomputed-gelu_no_mul-grouped", activation="gelu_no_mul", route="grouped", save_preactivation=False),
+    Case("recomputed-weight-on-input-slots", shape=MoEShape(4, 4, 48, 40, 1), route="slots",
+         options=dict(apply_router_weight_on_input=True), save_preactivation=False),
 ]
 
 
@@ -78,7 +85,8 @@ def _check_case(case: Case, seed: int) -> None:
     adapters = _adapters(case, w1, p.w2, seed)
     options = dict(activation=case.activation, **case.options)
     with tmoe.override_route(case.route):
-        out = tmoe.fused_experts(x, w1, p.w2, weights, p.topk_ids, lora_scale=case.scale, **adapters, **options)
+        out = tmoe.fused_experts(x, w1, p.w2, weights, p.topk_ids, lora_scale=case.scale,
+                                 save_preactivation=case.save_preactivation, **adapters, **options)
     grad_out = torch.randn_like(out)
     inputs = [x, weights, *adapters.values()]
     grads = torch.autograd.grad(out, inputs, grad_out)

@@ -36,12 +36,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.activation_grad import act_and_mul_grad, act_no_mul_grad
 from tmoe.kernels._details.grad_act_dots import grad_act_dots
+from tmoe.kernels._details.lora_dot import lora_term
 from tmoe.kernels._details.tile_matmul import tile_ids
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.grad_checks import check_preact
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.grad_config import ActTiles
-from tmoe.kernels.lora import LoraOperands
+from tmoe.kernels.lora import LoraOperands, padded_rank
 from tmoe.kernels.moe_grad_input import sorted_input_grad
 from tmoe.kernels.operands import BlockScales, Routing, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
@@ -69,15 +70,18 @@ def _moe_grad_act_kernel(
     partial_ptr,  # [P, NUM_PID_N] float32 out
     s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s)
     s2_ptr,  # [E, cdiv(K, SCALE_R), cdiv(N, SCALE_C)] float32 (FP8_W)
+    lora_t_ptr,  # LORA_PRE: [num_slots, rank] t = x @ A1[e].T of each slot
+    lora_b_ptr,  # LORA_PRE: [E, W1_ROWS, rank] B1 (w1's row order)
     num_slots, N, K, alpha, limit, num_pid_m,
     stride_gm, stride_gk, stride_xm, stride_xk, stride_w1e, stride_w1r, stride_w1k, stride_w2e, stride_w2k,
     stride_w2n, stride_b1e, stride_b2e, stride_g, stride_hm, stride_im, stride_pm, stride_s1e, stride_s1r, stride_s1c,
-    stride_s2e, stride_s2r, stride_s2c, stride_pre,
+    stride_s2e, stride_s2r, stride_s2c, stride_pre, lora_rank, stride_ltm, stride_lbe, stride_lbn, stride_lbr,
+    lora_scale,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACTIVATION: tl.constexpr, MUL: tl.constexpr, CLAMP: tl.constexpr, INTERLEAVED: tl.constexpr,
     ON_INPUT: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, PRECISION: tl.constexpr,
     FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
-    G_FIRST: tl.constexpr, SAVED: tl.constexpr,
+    G_FIRST: tl.constexpr, SAVED: tl.constexpr, LORA_PRE: tl.constexpr, LORA_R: tl.constexpr,
 ):
     LOAD_GO: tl.constexpr = HAS_B2 or not G_FIRST  # g's dot, and <go, b2>
     K_LOOP: tl.constexpr = LOAD_GO or not SAVED  # SAVED (with G_FIRST): no dot is left but <go, b2>
@@ -138,6 +142,14 @@ def _moe_grad_act_kernel(
             acc_up = tl.load(pre + N, mask=mask_out, other=0.0).to(tl.float32)
     elif PAIRED:
         acc_gate, acc_up = tl.split(tl.reshape(acc_pair, (BLOCK_M, BLOCK_N, 2)))
+    if LORA_PRE:  # the recomputed x @ w1.T takes w1's adapter term, as the forward's epilogue added it
+        t_rows = lora_t_ptr + tl.where(mask_m, slots, 0) * stride_ltm
+        b_base = lora_b_ptr + expert * stride_lbe
+        acc_gate = lora_term(acc_gate, t_rows, mask_m, b_base, gate_rows, mask_n, lora_rank, stride_lbr, stride_lbn,
+                             lora_scale, LORA_R, PRECISION)
+        if MUL:
+            acc_up = lora_term(acc_up, t_rows, mask_m, b_base, up_rows, mask_n, lora_rank, stride_lbr, stride_lbn,
+                               lora_scale, LORA_R, PRECISION)
     hg, hu = acc_gate, acc_up
     if ON_INPUT:  # the forward scales the input: h = w * (x @ w1.T) + b1
         hg = hg * w[:, None]
@@ -190,6 +202,7 @@ def moe_grad_act(
     activation: Activation, block_m: int, tiles: ActTiles, apply_router_weight_on_input: bool = False,
     w1_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
     weight_scales: BlockScales | None = None, preact: torch.Tensor | None = None, lora: LoraOperands | None = None,
+    lora_pre: LoraOperands | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The intermediate's gradient, the intermediate and the router weights' partial gradients.
 
@@ -206,8 +219,10 @@ def moe_grad_act(
             forward's x @ w1[e].T of every slot (row = slot, gate columns then up; before the
             router weight and the bias; ``check_preact``). Then nothing is recomputed: g = go @ w2
             runs first (g_first) and this kernel is elementwise, reading h's product from ``preact``.
-        lora: w2's LoRA term of g (with ``preact``): g = go @ (w2[e] + scale * b @ a) as
-            ``sorted_input_grad``'s ``lora`` (u = go @ b[e] per slot, factor a[e] transposed).
+        lora: w2's LoRA term of g: g = go @ (w2[e] + scale * b @ a) as ``sorted_input_grad``'s
+            ``lora`` (u = go @ b[e] per slot, factor a[e] transposed); g then runs first.
+        lora_pre: w1's LoRA term of the recomputed pre-activation (without ``preact``): u = x @ a1[e].T
+            per slot (M * topk, r), factor b1 (E, 2N, r), added as the forward's epilogue adds it.
 
     Returns:
         grad_h (P, 2N) in aligned-row order and w1's row order, x's dtype (rows of padding and
@@ -225,6 +240,8 @@ def moe_grad_act(
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)
     if preact is not None:  # no dot left in the kernel: g first, rows gathered by pointers (no copy of x)
         tiles = replace(tiles, g_first=True, tma=False)
+    elif lora is not None:  # g's adapter term is an epilogue of g's own GEMM
+        tiles = replace(tiles, g_first=True)
     num_pid_n = cdiv(n, tiles.block_n)
     partial = torch.empty((p, num_pid_n), dtype=torch.float32, device=x.device)
     if p == 0:
@@ -246,6 +263,11 @@ def moe_grad_act(
                               lora=lora)
     else:
         g = inter  # not read
+    if lora_pre is not None:
+        t, f = lora_pre.u, lora_pre.factor
+        lora_pre_ptrs, lora_pre_args = (t, f), (f.shape[2], t.stride(0), *f.stride(), float(lora_pre.scale))
+    else:
+        lora_pre_ptrs, lora_pre_args = (g, g), (0, 0, 0, 0, 0, 1.0)
     if tma:  # grad_out and x rows copied into aligned order (padding rows zero), every operand by TMA
         go_src, x_src = (TensorDescriptor.from_tensor(rows, [block_m, block_k])
                          for rows in (go_rows, aligned_copy(x, routing)))
@@ -256,10 +278,11 @@ def moe_grad_act(
     launch(_moe_grad_act_kernel, (num_pid_m * num_pid_n,),
            go_src, x_src, w1_src, w2_src, b1, b2, topk_weights, sorted_ids, expert_ids, num_post_padded, g,
            preact if preact is not None else g, grad_h, inter, partial,
-           s1, s2, num_slots, n, k, alpha, limit, num_pid_m,
+           s1, s2, *lora_pre_ptrs, num_slots, n, k, alpha, limit, num_pid_m,
            grad_out.stride(0), grad_out.stride(1), x.stride(0), x.stride(1), *w1.stride(), *w2.stride(),
            b1.stride(0), b2.stride(0), g.stride(0), grad_h.stride(0), inter.stride(0), partial.stride(0),
-           *scale_strides(s1), *scale_strides(s2), preact.stride(0) if preact is not None else 0,
+           *scale_strides(s1), *scale_strides(s2), preact.stride(0) if preact is not None else 0, *lora_pre_args,
+           LORA_PRE=lora_pre is not None, LORA_R=padded_rank(lora_pre.factor.shape[2]) if lora_pre is not None else 16,
            FP8_W=weight_scales is not None,
            SCALE_R=weight_scales.block_shape[0] if weight_scales else 1,
            SCALE_C=weight_scales.block_shape[1] if weight_scales else 1,

@@ -121,9 +121,9 @@ class KernelSpec:
         and the call's scales and frozen weights allow one (``check_recorded_call``)."""
         check_trainable(args, self.prepare_finalize, self.experts, self.quant.dtype_name, self.quant.weight_dtype)
         check_recorded_call(args, self.quant)
-        if has_lora(args) and not self.saves_preactivation:
-            raise NotImplementedError("training LoRA adapters runs on NoEPPrepareAndFinalize with TritonExperts and "
-                                      "float experts (tmoe.fused_experts' default); not on this composition")
+        if has_lora(args) and self.prepare_finalize != "noep":
+            raise NotImplementedError("training LoRA adapters runs on NoEPPrepareAndFinalize (one device), not with "
+                                      f"expert parallelism ({self.prepare_finalize!r})")
 
     def check_call(self, args: LayerArgs) -> None:
         """The mode's refusals (``check_batch_invariant``) where the mode is on (the layer op's fake)."""

@@ -96,13 +96,19 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
                  block_m=block_m)
     scale = ctx.lora_scale
     # w2's adapter: u2 = grad_out @ b2[e] per slot, read by g's GEMM (g = go @ (w2 + s b2 a2)) and dA2
-    u2 = tmoe.moe_lora_token_rows(grad_out, b2.transpose(1, 2), **align, topk=topk_ids.shape[1]) if a2 is not None else None
+    topk = topk_ids.shape[1]
+    u2 = tmoe.moe_lora_token_rows(grad_out, b2.transpose(1, 2), **align, topk=topk) if a2 is not None else None
+    # w1's adapter: t1 = x @ a1[e].T per slot, for the recomputed pre-activation (no saved one) and dB1
+    t1 = None
+    if a1 is not None and (preact is None or needs[_INDEX["w1_lora_b"]]):
+        t1 = tmoe.moe_lora_token_rows(x, a1, **align, topk=topk)
     grad_h, inter, partial = tmoe.moe_grad_act(
         grad_out, x, w1, w2, topk_weights, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
         num_tokens_post_padded=num_post_padded, block_m=block_m, w1_bias=w1_bias, w2_bias=w2_bias,
         activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
         gate_up_interleaved=gate_up_interleaved, apply_router_weight_on_input=on_input, w1_scale=w1_scale,
-        w2_scale=w2_scale, block_shape=ctx.block_shape, preact=preact, w2_lora_u=u2, w2_lora_a=a2, lora_scale=scale)
+        w2_scale=w2_scale, block_shape=ctx.block_shape, preact=preact, w2_lora_u=u2, w2_lora_a=a2, lora_scale=scale,
+        w1_lora_t=t1 if preact is None else None, w1_lora_b=b1 if preact is None and a1 is not None else None)
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
     expert_rows = dict(sorted_ids=sorted_ids, offsets=offsets, block_m=block_m, e_local=e_local, expert_map=expert_map)
     rows = dict(topk_weights=topk_weights, **expert_rows)
@@ -139,7 +145,6 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
         if needs[_INDEX["w1_lora_a"]]:
             grads[_INDEX["w1_lora_a"]] = _lora_grad(u1, x, topk_weights, False, on_input, a1, scale, **expert_rows)
         if needs[_INDEX["w1_lora_b"]]:
-            t1 = tmoe.moe_lora_token_rows(x, a1, **align, topk=topk_ids.shape[1])
             grads[_INDEX["w1_lora_b"]] = _lora_grad(grad_h, t1, topk_weights.view(-1, 1), False, on_input, b1, scale,
                                                     **expert_rows)
     return tuple(grads)

@@ -58,34 +58,49 @@ def moe_grad_act(
     swiglu_limit: float | None, gate_up_interleaved: bool, apply_router_weight_on_input: bool,
     w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, block_shape: list[int] | None = None,
     preact: torch.Tensor | None = None, w2_lora_u: torch.Tensor | None = None, w2_lora_a: torch.Tensor | None = None,
-    lora_scale: float = 1.0,
+    lora_scale: float = 1.0, w1_lora_t: torch.Tensor | None = None, w1_lora_b: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``;
     frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``;
     ``preact`` (M * topk, 2N): the forward's saved pre-activation (None: recomputed). w2's LoRA
     adapter (with ``preact``): ``w2_lora_u`` (M * topk, r) = grad_out @ w2_lora_b[e] per slot
-    (``moe_lora_token_rows``) and ``w2_lora_a`` (E, r, N): g takes lora_scale * u @ a[e]."""
+    (``moe_lora_token_rows``) and ``w2_lora_a`` (E, r, N): g takes lora_scale * u @ a[e]. w1's
+    adapter, when the pre-activation is recomputed (no ``preact``): ``w1_lora_t`` (M * topk, r) =
+    x @ w1_lora_a[e].T per slot and ``w1_lora_b`` (E, 2N, r): the recomputed x @ w1.T takes
+    lora_scale * t @ b[e].T."""
     act, scales = _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids,
                                      num_tokens_post_padded, w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
                                      gate_up_interleaved, w1_scale, w2_scale, block_shape, preact)
-    lora = _lora_operands("w2", w2_lora_u, w2_lora_a, lora_scale, topk_weights.numel(), preact is None)
+    lora = _lora_operands("w2", w2_lora_u, w2_lora_a, lora_scale, topk_weights.numel())
+    lora_pre = _lora_pre(w1_lora_t, w1_lora_b, lora_scale, topk_weights.numel(), preact)
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
                      num_tokens_post_padded, activation=act, block_m=block_m, tiles=act_tiles(block_m),
                      apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
-                     weight_scales=scales, preact=preact, lora=lora)
+                     weight_scales=scales, preact=preact, lora=lora, lora_pre=lora_pre)
 
 
-def _lora_operands(weight: str, u: torch.Tensor | None, a: torch.Tensor | None, scale: float, rows: int,
-                   needs_preact: bool = False) -> LoraOperands | None:
+def _lora_pre(t: torch.Tensor | None, b: torch.Tensor | None, scale: float, rows: int,
+              preact: torch.Tensor | None) -> LoraOperands | None:
+    """w1's adapter term of the recomputed pre-activation from ``w1_lora_t`` (rows, r) and
+    ``w1_lora_b`` (E, 2N, r) (checked), or None (also with a saved ``preact``, which holds it)."""
+    if t is None and b is None:
+        return None
+    if t is None or b is None or preact is not None:
+        raise ValueError("w1_lora_t and w1_lora_b go together, and only without a saved preact")
+    check_tensor("w1_lora_t", t, ndim=2, device=b.device)
+    check_tensor("w1_lora_b", b, dtypes=(t.dtype,), ndim=3)
+    check_shape("w1_lora_t", t, (rows, b.shape[2]))
+    return LoraOperands(t, b, scale)
+
+
+def _lora_operands(weight: str, u: torch.Tensor | None, a: torch.Tensor | None, scale: float,
+                   rows: int) -> LoraOperands | None:
     """A backward GEMM's LoRA term from the op's arguments ``{weight}_lora_u`` (rows, r) and
-    ``{weight}_lora_a`` (E, r, C) (checked), or None; ``needs_preact``: the op got no saved
-    pre-activation, which its LoRA term needs."""
+    ``{weight}_lora_a`` (E, r, C) (checked), or None."""
     if u is None and a is None:
         return None
     if u is None or a is None:
         raise ValueError(f"{weight}_lora_u and {weight}_lora_a must be given together")
-    if needs_preact:
-        raise ValueError(f"{weight}_lora_u needs the forward's saved preact")
     check_tensor(f"{weight}_lora_u", u, ndim=2, device=a.device)
     check_tensor(f"{weight}_lora_a", a, dtypes=(u.dtype,), ndim=3)
     check_shape(f"{weight}_lora_u", u, (rows, a.shape[1]))
@@ -108,11 +123,13 @@ def _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expe
 @moe_grad_act.register_fake
 def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
       w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
-      w1_scale=None, w2_scale=None, block_shape=None, preact=None, w2_lora_u=None, w2_lora_a=None, lora_scale=1.0):
+      w1_scale=None, w2_scale=None, block_shape=None, preact=None, w2_lora_u=None, w2_lora_a=None, lora_scale=1.0,
+      w1_lora_t=None, w1_lora_b=None):
     _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
                        w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, w1_scale,
                        w2_scale, block_shape, preact)
-    _lora_operands("w2", w2_lora_u, w2_lora_a, lora_scale, topk_weights.numel(), preact is None)
+    _lora_operands("w2", w2_lora_u, w2_lora_a, lora_scale, topk_weights.numel())
+    _lora_pre(w1_lora_t, w1_lora_b, lora_scale, topk_weights.numel(), preact)
     p, n = sorted_token_ids.shape[0], w2.shape[2]
     new = x.new_empty
     return new((p, w1.shape[1])), new((p, n)), new((p, grad_act_blocks(n, block_m)), dtype=torch.float32)
