@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tmoe
-from tmoe.reference import moe_reference
+from tmoe.reference import dequantize_fp8_reference, dequantize_int_reference, moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
 from tmoe.testing.tolerance import Tolerance
@@ -184,11 +184,11 @@ def test_bad_adapter_calls_are_refused():
     with pytest.raises(ValueError, match="lora_scale"):
         tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids, w1_lora_a=a, w1_lora_b=b,
                            lora_scale=float("nan"))
-    fp8 = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn)
-    with pytest.raises(NotImplementedError, match="LoRA on quantized experts"):
-        tmoe.fused_experts(p.x, p.w1.to(torch.float8_e4m3fn), p.w2.to(torch.float8_e4m3fn), p.topk_weights,
-                           p.topk_ids, quant_config=fp8, w1_scale=torch.ones(1, device=DEVICE),
-                           w2_scale=torch.ones(1, device=DEVICE), w1_lora_a=a, w1_lora_b=b)
+    fp8 = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn)  # per-tensor fp8 serves adapters, its backward does not
+    with pytest.raises(NotImplementedError, match="frozen quantized experts"):
+        tmoe.fused_experts(p.x.requires_grad_(), p.w1.to(torch.float8_e4m3fn), p.w2.to(torch.float8_e4m3fn),
+                           p.topk_weights, p.topk_ids, quant_config=fp8, w1_scale=torch.ones(1, device=DEVICE),
+                           w2_scale=torch.ones(1, device=DEVICE), w1_lora_a=a.requires_grad_(), w1_lora_b=b)
 
 
 def test_lora_compiles_fullgraph_without_recompiles():
@@ -215,3 +215,51 @@ def test_lora_compiles_fullgraph_without_recompiles():
         for g, r in zip(grads, ref):
             torch.testing.assert_close(g, r)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def _block_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, the dequantized float32 weight) at 128 x 128 blocks."""
+    q, s = tmoe.quantize_weight_per_block_fp8(w.float(), (128, 128))
+    return q, s, dequantize_fp8_reference(q, s, (128, 128))
+
+
+@pytest.mark.parametrize("route", ["sorted", "slots"])
+@pytest.mark.parametrize("save_preactivation", [True, False])
+def test_qlora_on_frozen_block_fp8_experts(route, save_preactivation):
+    """QLoRA: frozen block-fp8 experts (fp8 activations in the forward) with float adapters; the
+    output against the reference on the dequantized weights (fp8 tolerance, the activations are
+    quantized), the gradients of x, the router weights and the factors against float64 autograd
+    on the dequantized weights (the backward does not quantize x, as for frozen fp8 without LoRA)."""
+    case = Case("qlora", shape=MoEShape(7 if route == "slots" else 19, 4, 128, 256, 2), ranks=(8, 16))
+    p = make_problem(case.shape, torch.float32, "uniform", seed=13, device=DEVICE)
+    (q1, s1, d1), (q2, s2, d2) = _block_fp8(p.w1), _block_fp8(p.w2)
+    x, weights = p.x.clone().requires_grad_(), p.topk_weights.clone().requires_grad_()
+    adapters = _adapters(case, p.w1, p.w2, seed=13)
+    qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(128, 128))
+    with tmoe.override_route(route):
+        out = tmoe.fused_experts(x, q1, q2, weights, p.topk_ids, quant_config=qc, w1_scale=s1, w2_scale=s2,
+                                 lora_scale=0.5, save_preactivation=save_preactivation, **adapters)
+    inputs = [x, weights, *adapters.values()]
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    copies = [t.detach().double().requires_grad_() for t in inputs]
+    ref = lora_reference(copies[0], d1, d2, copies[1], p.topk_ids, dict(zip(adapters, copies[2:])), 0.5)
+    assert_close(out, ref, "fp8")
+    for name, g, r in zip(("hidden_states", "topk_weights", *adapters), grads,
+                          torch.autograd.grad(ref, copies, grad_out.double())):
+        assert_close(g, r, GRAD_TOL[torch.float32], name=name)
+
+
+def test_adapters_on_int4_experts_serve():
+    """Inference with adapters on weight-only int4 experts (zero points): the reference on the
+    dequantized weights plus the adapters."""
+    case = Case("int4", shape=MoEShape(11, 4, 64, 128, 2), ranks=(8, 8))
+    p = make_problem(case.shape, torch.float32, "uniform", seed=17, device=DEVICE)
+    q1, s1, z1 = tmoe.quantize_weight_int4(p.w1, 32, zero_point=True)
+    q2, s2, z2 = tmoe.quantize_weight_int4(p.w2, 32, zero_point=True)
+    d1, d2 = dequantize_int_reference(q1, s1, z1, 32, 4), dequantize_int_reference(q2, s2, z2, 32, 4)
+    adapters = {n: t.detach() for n, t in _adapters(case, p.w1, p.w2, seed=17).items()}
+    qc = tmoe.FusedMoEQuantConfig(weight_dtype="int4", group_size=32)
+    out = tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, quant_config=qc, w1_scale=s1, w2_scale=s2,
+                             w1_zp=z1, w2_zp=z2, lora_scale=0.5, **adapters)
+    assert_close(out, lora_reference(p.x, d1, d2, p.topk_weights, p.topk_ids, adapters, 0.5), torch.float32)

@@ -80,11 +80,14 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         n = inter.shape[-1]
         scales = self._scales(a_scale, call.w1_scale, call.w1_zp)
         kw = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias, **route)
-        if call.w1_lora is not None:
-            kw["lora"] = lora_rows(call.w1_lora, x, call.topk_ids.numel(), up_cfg, gemm, route)
+        if call.w1_lora is not None:  # t = x @ A1[e].T of the unquantized rows
+            rows = call.lora_rows if call.lora_rows is not None else x
+            kw["lora"] = lora_rows(call.w1_lora, rows, call.topk_ids.numel(), up_cfg, gemm, route)
         if call.preact is not None:
             kw["pre_out"] = call.preact
         group = self._fused_quant_group(n, up_cfg.block_n, call.a2_scale, call.problem.batch_invariant)
+        if call.w2_lora is not None:  # w2's adapter reads the intermediate unquantized: written, then quantized
+            group = None
         if group is not None:
             inter_q = torch.empty(inter.shape, dtype=self.quant_config.quant_dtype, device=x.device)
             inter_scale = torch.empty((*inter.shape[:-1], n // group), dtype=torch.float32, device=x.device)
@@ -94,12 +97,14 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         return quantize_activations(inter, self.quant_config, call.a2_scale, num_rows=inter_rows)
 
     def _down(self, call: ExpertsCall, a2q: torch.Tensor, a2q_scale: torch.Tensor | None, out: torch.Tensor,
-              down_cfg: GemmConfig, gemm: Callable[..., torch.Tensor], **route) -> None:
+              down_cfg: GemmConfig, gemm: Callable[..., torch.Tensor], inter: torch.Tensor | None = None,
+              **route) -> None:
         """The down GEMM of the quantized intermediate into ``out`` by ``gemm`` (``route``: its
-        routing keywords)."""
+        routing keywords); ``inter``: the intermediate before quantization, which w2's adapter reads."""
         scales = self._scales(a2q_scale, call.w2_scale, call.w2_zp)
         if call.w2_lora is not None:
-            route = dict(route, lora=lora_rows(call.w2_lora, a2q, call.topk_ids.numel(), down_cfg, gemm, route))
+            rows = inter if inter is not None and a2q.dtype != inter.dtype else a2q
+            route = dict(route, lora=lora_rows(call.w2_lora, rows, call.topk_ids.numel(), down_cfg, gemm, route))
         gemm(a2q, call.w2, out, down_cfg, gated=False, scales=scales, bias=call.w2_bias, **route)
 
     def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device,
@@ -133,7 +138,8 @@ class TritonExperts(_TritonExpertsBase):
         if problem.lora:  # the adapters' epilogue term runs on moe_gemm's routes and the grouped core
             if use_slot_route(m):
                 return Route.SLOTS
-            grouped = use_grouped_route(m, problem.topk, problem.num_local_experts, problem.n, False)
+            grouped = qc.quant_dtype is None and use_grouped_route(m, problem.topk, problem.num_local_experts,
+                                                                   problem.n, False)
             return Route.GROUPED if grouped and self._grouped_fits(problem, args, rows_copied) else Route.SORTED
         # the fused and direct routes sum a token's slots in float32 before rounding, the others round
         # each slot's output first: a batch-invariant call keeps to the second kind unless one is forced
@@ -231,6 +237,7 @@ class TritonExperts(_TritonExpertsBase):
         a2q, a2q_scale = self._slot_up(call, cfg, workspace2)
         m, topk = call.topk_ids.shape
         self._down(call, a2q, a2q_scale, output.view(m * topk, -1), replace(cfg.down, block_m=16), invoke_moe_gemm,
+                   inter=workspace2.view(m * topk, call.n),
                    routing=DirectRouting(call.topk_ids, call.num_experts, call.expert_map, 1), route=call.route)
 
     def _sorted(self, output: torch.Tensor, call: ExpertsCall, workspace2: torch.Tensor) -> None:
@@ -246,6 +253,7 @@ class TritonExperts(_TritonExpertsBase):
                                   route=call.route,
                                   topk_weights=self._input_weights(call))
         self._down(call, a2q, a2q_scale, output.view(m * topk, -1), cfg.down, invoke_moe_gemm,
+                   inter=workspace2.view(m * topk, call.n),
                    routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, 1), route=call.route)
 
     def _grouped(self, output: torch.Tensor, call: ExpertsCall, workspace2: torch.Tensor) -> None:

@@ -55,7 +55,9 @@ class ExpertsCall(NamedTuple):
     ``tmoe.modular.LayerArgs``'s (``w1`` is (E, N, K) for a *_no_mul activation; ``w1_zp``/
     ``w2_zp`` zero points of int4/int8 weights); ``preact`` (M' * topk, 2N) (N for a *_no_mul
     activation): where training's forward saves each slot's pre-activation (``TritonExperts``'
-    aligned routes), else None; ``w1_lora``/``w2_lora``: the call's adapters (``LoraWeights``), else None."""
+    aligned routes), else None; ``w1_lora``/``w2_lora``: the call's adapters (``LoraWeights``), else None;
+    ``lora_rows``: with an adapter on w1, the rows before quantization (fp8 activations), which
+    its t = x @ A[e].T reads, else None."""
 
     route: Route
     problem: MoEProblem
@@ -78,6 +80,7 @@ class ExpertsCall(NamedTuple):
     preact: torch.Tensor | None = None
     w1_lora: LoraWeights | None = None
     w2_lora: LoraWeights | None = None
+    lora_rows: torch.Tensor | None = None
 
     @property
     def n(self) -> int:

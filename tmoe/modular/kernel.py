@@ -280,6 +280,7 @@ class ModularKernel:
             prepared.topk_ids if prepared.topk_ids is not None else ids, args.w1, args.w2, args.expert_map,
             args.w1_scale, args.w2_scale, args.a2_scale, args.w1_bias, args.w2_bias, args.w1_zp, args.w2_zp, on_input,
             preact, lora_weights(args, "w1"), lora_weights(args, "w2"),
+            x if args.w1_lora_a is not None and prepared.a1q.dtype != x.dtype else None,
         )
         experts.apply(fused_out, call, ws13, ws2)
         pf.finalize(output, fused_out, weights, ids, on_input, num_experts=problem.num_experts,

@@ -9,7 +9,6 @@ import torch
 from tmoe.kernels.checks import check_shape, check_tensor
 from tmoe.kernels.lora import MAX_RANK, LoraWeights
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 LORA_TENSORS = ("w1_lora_a", "w1_lora_b", "w2_lora_a", "w2_lora_b")
 
@@ -18,10 +17,10 @@ def has_lora(args: LayerArgs) -> bool:
     return any(getattr(args, name) is not None for name in LORA_TENSORS)
 
 
-def check_lora(args: LayerArgs, quant: FusedMoEQuantConfig, e: int, w1_rows: int, n: int) -> tuple[int, int]:
+def check_lora(args: LayerArgs, e: int, w1_rows: int, n: int) -> tuple[int, int]:
     """The adapters' ranks (r1, r2; 0: no adapter on that weight) after checking them: each pair
-    given together, float experts (quantized bases are not supported yet), hidden_states' dtype and
-    device, w1's pair (E, r1, K) and (E, 2N, r1) (w1's rows), w2's (E, r2, N) and (E, K, r2),
+    given together (on float, fp8 or low-bit experts: the adapters stay in hidden_states' dtype),
+    hidden_states' dtype and device, w1's pair (E, r1, K) and (E, 2N, r1) (w1's rows), w2's (E, r2, N) and (E, K, r2),
     1 <= r <= 128; ``lora_scale`` a finite float, only with an adapter."""
     x = args.hidden_states
     k = x.shape[1]
@@ -43,10 +42,6 @@ def check_lora(args: LayerArgs, quant: FusedMoEQuantConfig, e: int, w1_rows: int
         check_shape(f"{w}_lora_a", a, (ea, rank, ca))
         check_shape(f"{w}_lora_b", b, (eb, rb, rank))
         ranks.append(rank)
-    if any(ranks):
-        if quant.quant_name is not None:
-            raise NotImplementedError(f"LoRA on quantized experts ({quant.quant_name}) is not supported yet: "
-                                      "pass float w1/w2 with the adapters")
     if args.lora_scale is not None:
         if not any(ranks):
             raise ValueError("lora_scale was given without an adapter (w1_lora_a/b or w2_lora_a/b)")
