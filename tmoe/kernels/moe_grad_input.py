@@ -68,7 +68,7 @@ def _moe_grad_input_kernel(
     PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
     GROUP_M: tl.constexpr, TMA: tl.constexpr, ROUTER_GRAD: tl.constexpr, SORTED_OUT: tl.constexpr,
     SKIP_REMOTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, LORA: tl.constexpr, LORA_R: tl.constexpr,
-    LORA_SLOT_ROWS: tl.constexpr,
+    LORA_SLOT_ROWS: tl.constexpr, EXPERT_BLOCK: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(K, BLOCK_N)
     num_valid_m = tl.load(num_post_padded_ptr) // BLOCK_M
@@ -86,7 +86,7 @@ def _moe_grad_input_kernel(
                                    mask=offs_c[None, :] < num_parts, other=0.0)  # [BM, PB]
                     acc_w += tl.sum(part, axis=1)
                 tl.store(grad_weights_ptr + slots, acc_w, mask=mask_m)
-        expert = tl.load(expert_ids_ptr + pid_m)
+        expert = tl.load(expert_ids_ptr + (pid_m * BLOCK_M) // EXPERT_BLOCK)  # a tile may be part of an align block
         local = expert >= 0  # remote blocks (-1): the reduce never reads their slots
         offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] columns of K
         mask_n = offs_n < K
@@ -139,7 +139,7 @@ def _launch(
     num_post_padded: torch.Tensor, num_slots: int, block_m: int, tiles: InputTiles,
     scale: torch.Tensor | None, block_shape: tuple[int, int] | None, skip_remote: bool,
     partial: torch.Tensor | None = None, grad_weights: torch.Tensor | None = None,
-    lora: LoraOperands | None = None, lora_slot_rows: bool = False,
+    lora: LoraOperands | None = None, lora_slot_rows: bool = False, tile_m: int | None = None,
 ) -> None:
     """da = d @ w[e] per aligned row block into ``out``: rows = slots, or aligned rows when no
     ``partial`` is given (then no router-weight gradient either). ``scale``/``block_shape``: a
@@ -152,7 +152,7 @@ def _launch(
         return
     fp32 = d.dtype == torch.float32
     router_grad = partial is not None
-    if gluon_grad_input is not None and lora is None and gluon_ready(d.device, "dx"):
+    if gluon_grad_input is not None and lora is None and tile_m is None and gluon_ready(d.device, "dx"):
         engine = GemmConfig(block_m, tiles.block_n, tiles.block_r, num_warps=tiles.num_warps,
                             group_m=row_group(block_m * rows_w * d.element_size()))
         if gluon_grad_input.gluon_grad_input_fits(d, w, out, block_m, engine, scale, skip_remote):
@@ -160,10 +160,11 @@ def _launch(
                                                      block_m, engine, sm_count(d.device), partial, grad_weights,
                                                      PARTS_BLOCK)
             return
-    num_pid_m = cdiv(p, block_m)
+    tile_m = tile_m or block_m
+    num_pid_m = cdiv(p, tile_m)
     tma = tiles.tma and scale is None and tma_addressable(d) and tma_addressable(w)
     if tma:
-        d_src = TensorDescriptor.from_tensor(d, [block_m, tiles.block_r])
+        d_src = TensorDescriptor.from_tensor(d, [tile_m, tiles.block_r])
         w_src = TensorDescriptor.from_tensor(w, [1, tiles.block_r, tiles.block_n])
     else:
         d_src, w_src = d, w
@@ -180,7 +181,7 @@ def _launch(
            grad_weights if router_grad else out, s, *lora_ops,
            num_slots, rows_w, cols, partial.shape[1] if router_grad else 0,
            d.stride(0), *w.stride(), out.stride(0), partial.stride(0), *scale_strides(s),
-           BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK,
+           BLOCK_M=tile_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK, EXPERT_BLOCK=block_m,
            PRECISION="ieee" if fp32 else "tf32", FP8_W=scale is not None,
            SCALE_R=block_shape[0] if block_shape else 1, SCALE_C=block_shape[1] if block_shape else 1,
            GROUP_M=row_group(block_m * rows_w * d.element_size()), TMA=tma, ROUTER_GRAD=router_grad,
@@ -195,7 +196,7 @@ def sorted_input_grad(
     d: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_post_padded: torch.Tensor, num_slots: int, *, block_m: int, weight_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None, tiles: InputTiles = InputTiles(), skip_remote: bool = True,
-    lora: LoraOperands | None = None,
+    lora: LoraOperands | None = None, tile_m: int | None = None,
 ) -> torch.Tensor:
     """da (P, C) in aligned-row order, d's dtype: da = d @ w[e] for each aligned row block of expert e.
 
@@ -209,12 +210,13 @@ def sorted_input_grad(
             persistent tile loop flattens (a -1 block is then still correct, its K loop run on zeros).
         lora: each row's da also takes ``lora.scale * u[slot] @ lora.factor[e].T`` (u (num_slots,
             r) by slot, factor (E_local, C, r): w's LoRA update scale * B @ A, with u = d @ B[e]).
+        tile_m: rows per tile, a divisor of block_m (None: block_m).
 
     Rows at or past num_post_padded and rows of remote experts (expert id -1) are not written.
     """
     out = torch.empty((d.shape[0], w.shape[2]), dtype=d.dtype, device=d.device)
     _launch(d, w, out, sorted_ids, expert_ids, num_post_padded, num_slots, block_m, tiles, weight_scale, block_shape,
-            skip_remote, lora=lora, lora_slot_rows=True)
+            skip_remote, lora=lora, lora_slot_rows=True, tile_m=tile_m)
     return out
 
 

@@ -12,8 +12,8 @@ from tmoe.config import (
     use_direct_route, use_fused_route, use_grouped_route, use_slot_route,
 )
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.lora import LoraOperands, LoraWeights, padded_rank
-from tmoe.kernels.lora_rows import lora_aligned_rows
+from tmoe.kernels.lora import LoraOperands, LoraWeights
+from tmoe.kernels.lora_rows import lora_aligned_rows, lora_token_rows
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales, operand_scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
@@ -29,20 +29,23 @@ _STANDARD = FusedMoEActivationFormat.Standard
 _BATCHED = FusedMoEActivationFormat.BatchedExperts
 
 
-def lora_rows(lora: LoraWeights, a: torch.Tensor, num_slots: int, cfg: GemmConfig, gemm: Callable[..., torch.Tensor],
-              route: dict) -> LoraOperands:
-    """The LoRA term of a GEMM of rows ``a`` (``route``: its routing keywords, the router weight
-    dropped: the epilogue applies it after the term): t = a @ lora.a[e].T of every slot (num_slots,
-    r), by ``gemm`` itself, or on the grouped core of every expert-sorted row (EM, r), with lora.b
-    and lora.scale for the epilogue (``tmoe.kernels.lora``)."""
+def lora_rows(lora: LoraWeights, a: torch.Tensor, call: ExpertsCall, gemm: Callable[..., torch.Tensor],
+              route: dict, block_m: int) -> LoraOperands:
+    """The LoRA term of a GEMM of rows ``a`` (``route``: its routing keywords): t = a @ lora.a[e].T,
+    r values per row (``tmoe.kernels.lora_rows``), of every slot (a: token rows, ``a_row_div`` =
+    topk, or slot rows), or on the grouped core of every expert-sorted row; with lora.b and
+    lora.scale for the epilogue (``tmoe.kernels.lora``; ``block_m``: the grouped core's align block).
+    The router weight is applied after the term."""
+    rows = route.get("routing")
     if gemm is invoke_grouped_gemm:  # expert-sorted rows in, t in the same order
-        rows = route["routing"]
         t = lora_aligned_rows(a, lora.a.transpose(1, 2), rows.sorted_token_ids, rows.expert_ids,
-                              rows.num_tokens_post_padded, block_m=cfg.block_m, num_slots=num_slots)
+                              rows.num_tokens_post_padded, block_m=block_m, num_slots=rows.num_slots)
         return LoraOperands(t, lora.b, lora.scale)
-    t = torch.empty((num_slots, lora.rank), dtype=a.dtype, device=a.device)
-    shrink_route = {name: v for name, v in route.items() if name != "topk_weights"}
-    gemm(a, lora.a, t, replace(cfg, block_n=padded_rank(lora.rank)), gated=False, **shrink_route)
+    ids = call.topk_ids
+    if rows is not None and rows.a_row_div == 1:  # slot rows (the intermediate): each slot its own "token"
+        ids = ids.reshape(-1, 1)
+    t = lora_token_rows(a, lora.a, ids, call.num_experts, expert_map=call.expert_map,
+                        num_local_experts=call.problem.num_local_experts)
     return LoraOperands(t, lora.b, lora.scale)
 
 
@@ -82,7 +85,7 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         kw = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias, **route)
         if call.w1_lora is not None:  # t = x @ A1[e].T of the unquantized rows
             rows = call.lora_rows if call.lora_rows is not None else x
-            kw["lora"] = lora_rows(call.w1_lora, rows, call.topk_ids.numel(), up_cfg, gemm, route)
+            kw["lora"] = lora_rows(call.w1_lora, rows, call, gemm, route, up_cfg.block_m)
         if call.preact is not None:
             kw["pre_out"] = call.preact
         group = self._fused_quant_group(n, up_cfg.block_n, call.a2_scale, call.problem.batch_invariant)
@@ -104,7 +107,7 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         scales = self._scales(a2q_scale, call.w2_scale, call.w2_zp)
         if call.w2_lora is not None:
             rows = inter if inter is not None and a2q.dtype != inter.dtype else a2q
-            route = dict(route, lora=lora_rows(call.w2_lora, rows, call.topk_ids.numel(), down_cfg, gemm, route))
+            route = dict(route, lora=lora_rows(call.w2_lora, rows, call, gemm, route, down_cfg.block_m))
         gemm(a2q, call.w2, out, down_cfg, gated=False, scales=scales, bias=call.w2_bias, **route)
 
     def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device,

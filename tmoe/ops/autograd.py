@@ -96,12 +96,12 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
                  block_m=block_m)
     scale = ctx.lora_scale
     # w2's adapter: u2 = grad_out @ b2[e] per slot, read by g's GEMM (g = go @ (w2 + s b2 a2)) and dA2
-    topk = topk_ids.shape[1]
-    u2 = tmoe.moe_lora_token_rows(grad_out, b2.transpose(1, 2), **align, topk=topk) if a2 is not None else None
+    slot_rows = dict(topk_ids=topk_ids, num_experts=num_experts, expert_map=expert_map, num_local_experts=num_local)
+    u2 = tmoe.moe_lora_token_rows(grad_out, b2.transpose(1, 2), **slot_rows) if a2 is not None else None
     # w1's adapter: t1 = x @ a1[e].T per slot, for the recomputed pre-activation (no saved one) and dB1
     t1 = None
     if a1 is not None and (preact is None or needs[_INDEX["w1_lora_b"]]):
-        t1 = tmoe.moe_lora_token_rows(x, a1, **align, topk=topk)
+        t1 = tmoe.moe_lora_token_rows(x, a1, **slot_rows)
     grad_h, inter, partial = tmoe.moe_grad_act(
         grad_out, x, w1, w2, topk_weights, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
         num_tokens_post_padded=num_post_padded, block_m=block_m, w1_bias=w1_bias, w2_bias=w2_bias,

@@ -175,20 +175,21 @@ def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
 
 @torch.library.custom_op("tmoe::moe_lora_token_rows", mutates_args=())
 def moe_lora_token_rows(
-    a: torch.Tensor, factor: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
-    num_tokens_post_padded: torch.Tensor, block_m: int, topk: int,
+    a: torch.Tensor, factor: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+    expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
 ) -> torch.Tensor:
     """(M * topk, r): each slot's a[token] @ factor[e].T (a (M, C), factor (E, r, C) any strides):
     see ``tmoe.kernels.lora_rows``."""
     _check_lora_rows(a, factor, 2)
-    return _lora_token_rows(a, factor, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m=block_m,
-                            topk=topk)
+    return _lora_token_rows(a, factor, topk_ids, num_experts, expert_map=expert_map,
+                            num_local_experts=num_local_experts)
 
 
 @moe_lora_token_rows.register_fake
-def _(a, factor, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, topk):
+def _(a, factor, topk_ids, num_experts, expert_map=None, num_local_experts=None):
     _check_lora_rows(a, factor, 2)
-    return a.new_empty((a.shape[0] * topk, factor.shape[1]))
+    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2)
+    return a.new_empty((topk_ids.numel(), factor.shape[1]))
 
 
 @torch.library.custom_op("tmoe::moe_lora_aligned_rows", mutates_args=())
