@@ -218,8 +218,12 @@ def test_mode_is_decided_once_per_call(monkeypatch):
     assert tmoe.FusedMoE(4, 64, 64, 2, batch_invariant=True, device=DEVICE).kernel.spec.batch_invariant is True
 
 
+FP8_ON_HOPPER = pytest.mark.xfail(strict=True, reason="H100: fp8 rows at M=256 differ from M=1 (docs/numerics.md)")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(SCHEMES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=FP8_ON_HOPPER) if n.startswith("fp8") else n
+                                  for n in sorted(SCHEMES)])
 def test_forward_rows_large_m_gpu(name):
     """On the GPU, M up to 4096 (the grouped core's sizes, tuned tables' rows), eager and as a
     CUDA-graph replay: a probe's row is its row alone."""
