@@ -18,6 +18,7 @@ from hypothesis import given, settings, strategies as st
 
 import tmoe
 from tmoe.config import ROUTES
+from tmoe.kernels.route import Route
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn
@@ -218,12 +219,8 @@ def test_mode_is_decided_once_per_call(monkeypatch):
     assert tmoe.FusedMoE(4, 64, 64, 2, batch_invariant=True, device=DEVICE).kernel.spec.batch_invariant is True
 
 
-FP8_ON_HOPPER = pytest.mark.xfail(strict=True, reason="H100: fp8 rows at M=256 differ from M=1 (docs/numerics.md)")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [pytest.param(n, marks=FP8_ON_HOPPER) if n.startswith("fp8") else n
-                                  for n in sorted(SCHEMES)])
+@pytest.mark.parametrize("name", sorted(SCHEMES))
 def test_forward_rows_large_m_gpu(name):
     """On the GPU, M up to 4096 (the grouped core's sizes, tuned tables' rows), eager and as a
     CUDA-graph replay: a probe's row is its row alone."""
@@ -241,3 +238,27 @@ def test_forward_rows_large_m_gpu(name):
         for p, row in probes.items():
             assert torch.equal(out[row], alone(name, "auto", p)), f"probe {p} at M={m}"
             assert torch.equal(replayed[row], out[row])
+
+
+def test_fp8_tiles_are_one_height_in_the_mode(monkeypatch):
+    """Under the mode, fp8 GEMMs run 64-row tiles at every M and the slot route (16-row tiles) is
+    not taken (on an H100, fp8 rows of 16-row tiles differed from those of 64-row ones); outside the
+    mode, decode sizes keep the slot route."""
+    from tmoe.config import get_config
+    from tmoe.modular.experts import TritonExperts
+    from tmoe.runtime.state import clear_launch_caches
+
+    for m in (1, 64, 256, 4096):
+        cfg = get_config(m, 4, 192, 256, 2, torch.device(DEVICE), quant="fp8_w8a8", batch_invariant=True)
+        assert cfg.up.block_m == cfg.down.block_m == 64, m
+    clear_launch_caches()  # calls of this signature earlier in the process would replay without choosing a route
+    routes = []
+    apply = TritonExperts.apply
+    monkeypatch.setattr(TritonExperts, "apply", lambda self, out, call, *ws: routes.append(call.route) or apply(
+        self, out, call, *ws))
+    s = SCHEMES["fp8_token"]
+    w1, w2, qkw = weights("fp8_token")
+    x, w, ids = batch(s, 1, 0, {})
+    for mode in (True, False):
+        tmoe.fused_experts(x, w1, w2, w, ids, batch_invariant=mode, **qkw)
+    assert routes == [Route.SORTED, Route.SLOTS]

@@ -16,7 +16,7 @@ import torch
 
 from tmoe.config.backward import override_backward_tiles
 from tmoe.config.invariant import (
-    batch_invariant, batch_invariant_requested, invariant_block_k, pin_block_k, resolve_batch_invariant,
+    batch_invariant, batch_invariant_requested, invariant_block_k, pin_block_k, pin_fp8_block_m, resolve_batch_invariant,
 )
 from tmoe.config.tables import SHIPPED_CONFIGS, config_file_name, load_table, read_table, save_table
 from tmoe.kernels.route import Route
@@ -266,7 +266,7 @@ def get_config(
     the table too and caps block_k at the group; ``group_size`` (low-bit weights) turns the
     heuristic's TMA off (any block_k runs, over one group or several: ``dequant.dequant_dot``).
     ``batch_invariant``: block_k pinned to one value per GEMM and scheme at every M
-    (``invariant_block_k``). Lookups are cached per key.
+    (``invariant_block_k``), and fp8 GEMMs' block_m too (``pin_fp8_block_m``). Lookups are cached per key.
     """
     if _OVERRIDE:
         return _OVERRIDE[-1]
@@ -274,7 +274,10 @@ def get_config(
     cfg = _lookup(m, e, n, k, topk, device_name(device), quant, bs, os.environ.get("TMOE_CONFIG_DIR"), group_size,
                   _sms(device))
     if batch_invariant:
-        cfg = pin_block_k(cfg, *invariant_block_k(bs, quant is not None and quant.startswith("fp8"), group_size, k, n))
+        fp8 = quant is not None and quant.startswith("fp8")
+        cfg = pin_block_k(cfg, *invariant_block_k(bs, fp8, group_size, k, n))
+        if fp8:
+            cfg = pin_fp8_block_m(cfg)
     return cfg
 
 

@@ -82,3 +82,14 @@ def pin_block_k(cfg: MoEConfig, up_bk: int, down_bk: int) -> MoEConfig:
     """``cfg`` with its GEMMs' block_k pinned (the decode path's down GEMM takes the down one)."""
     direct = None if cfg.direct_down is None else replace(cfg.direct_down, block_k=down_bk)
     return MoEConfig(replace(cfg.up, block_k=up_bk), replace(cfg.down, block_k=down_bk), direct)
+
+
+FP8_BLOCK_M = 64  # the mode's one tile height for fp8 GEMMs
+
+
+def pin_fp8_block_m(cfg: MoEConfig) -> MoEConfig:
+    """``cfg`` with its GEMMs' block_m pinned to ``FP8_BLOCK_M``: on Hopper an fp8 dot of a 16-row
+    tile compiles to other MMA instructions than one of 64 rows or more, whose fp8 accumulation
+    differs (measured on an H100: the mode's fp8 rows at M = 256 differed from M <= 64, where the
+    tiles were 16 rows high)."""
+    return MoEConfig(replace(cfg.up, block_m=FP8_BLOCK_M), replace(cfg.down, block_m=FP8_BLOCK_M), cfg.direct_down)

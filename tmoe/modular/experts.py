@@ -138,8 +138,10 @@ class TritonExperts(_TritonExpertsBase):
 
     def route(self, problem: MoEProblem, m: int, may_reduce: bool, args: LayerArgs, rows_copied: bool) -> Route:
         qc = self.quant_config
+        # the slot route's 16-row fp8 tiles round unlike the mode's pinned ones (tmoe.config.invariant)
+        fp8_pinned = problem.batch_invariant and qc.quant_dtype is not None and not route_forced()
         if problem.lora:  # the adapters' epilogue term runs on moe_gemm's routes and the grouped core
-            if use_slot_route(m):
+            if use_slot_route(m) and not fp8_pinned:
                 return Route.SLOTS
             grouped = qc.quant_dtype is None and use_grouped_route(m, problem.topk, problem.num_local_experts,
                                                                    problem.n, False)
@@ -152,7 +154,7 @@ class TritonExperts(_TritonExpertsBase):
             return Route.FUSED
         if may_reduce and use_direct_route(m, problem.topk):
             return Route.DIRECT
-        if use_slot_route(m):
+        if use_slot_route(m) and not fp8_pinned:
             return Route.SLOTS
         if (use_grouped_route(m, problem.topk, problem.num_local_experts, problem.n, qc.scheme == "block")
                 and self._grouped_fits(problem, args, rows_copied)):
