@@ -14,7 +14,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from tmoe.kernels._details.ws_engine import LOADER_REGS, alloc_ring, mainloop, mma_layout, ring_slot, tile_ids, tma_load
+from tmoe.kernels._details.ws_engine import (
+    LOADER_REGS, alloc_ring, mainloop, mma_layout, ring_slot, tile_grid, tile_ids, tma_load,
+)
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.kernels.gluon_grouped import ring_stages
 from tmoe.kernels.gluon_matmul import descriptor, max_registers
@@ -28,10 +30,9 @@ def _grad_input_loader(d_desc, w_desc, a_bufs, b_bufs, ready, empty, expert_ids_
     BLOCK_K: gl.constexpr = d_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
     num_valid_m = gl.load(num_post_padded_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(C, BLOCK_N)
-    k_tiles = gl.cdiv(R, BLOCK_K)
+    num_tiles, num_pid_n, k_tiles = tile_grid(num_valid_m, C, R, BLOCK_N, BLOCK_K)
     counter = 0
-    for tile in range(gl.program_id(0), num_valid_m * num_pid_n, NUM_PROGRAMS):
+    for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
         w_row = gl.load(expert_ids_ptr + pid_m) * R
         for ki in range(k_tiles):
@@ -56,10 +57,9 @@ def _grad_input_consumer(a_bufs, b_bufs, ready, empty, partial_ptr, sorted_ids_p
     layout: gl.constexpr = mma_layout(a_bufs.dtype, BLOCK_M, BLOCK_N, num_warps)
     parts_layout: gl.constexpr = gl.BlockedLayout([1, PARTS_BLOCK], [32, 1], [num_warps, 1], [1, 0])
     num_valid_m = gl.load(num_post_padded_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(C, BLOCK_N)
-    k_tiles = gl.cdiv(R, BLOCK_K)
+    num_tiles, num_pid_n, k_tiles = tile_grid(num_valid_m, C, R, BLOCK_N, BLOCK_K)
     counter = 0
-    for tile in range(gl.program_id(0), num_valid_m * num_pid_n, NUM_PROGRAMS):
+    for tile in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         pid_m, pid_n = tile_ids(tile, num_valid_m, num_pid_n, GROUP_M)
         if ROUTER_GRAD:
             if pid_n == 0:  # the router weights' gradient: the row's partials, in column-block order
