@@ -140,15 +140,10 @@ class TritonExperts(_TritonExpertsBase):
         qc = self.quant_config
         # the slot route's 16-row fp8 tiles round unlike the mode's pinned ones (tmoe.config.invariant)
         fp8_pinned = problem.batch_invariant and qc.quant_dtype is not None and not route_forced()
-        if problem.lora:  # the adapters' epilogue term runs on moe_gemm's routes and the grouped core
-            if use_slot_route(m) and not fp8_pinned:
-                return Route.SLOTS
-            grouped = qc.quant_dtype is None and use_grouped_route(m, problem.topk, problem.num_local_experts,
-                                                                   problem.n, False)
-            return Route.GROUPED if grouped and self._grouped_fits(problem, args, rows_copied) else Route.SORTED
         # the fused and direct routes sum a token's slots in float32 before rounding, the others round
-        # each slot's output first: a batch-invariant call keeps to the second kind unless one is forced
-        may_reduce = may_reduce and not (problem.batch_invariant and not route_forced())
+        # each slot's output first: a batch-invariant call keeps to the second kind unless one is forced;
+        # LoRA adapters run on the slot, sorted and grouped routes, whose epilogues add their term
+        may_reduce = may_reduce and not problem.lora and not (problem.batch_invariant and not route_forced())
         if may_reduce and qc.quant_dtype is None and use_fused_route(m, problem.n, problem.k,
                                                                     low_bit=qc.weight_dtype is not None):
             return Route.FUSED
@@ -157,6 +152,7 @@ class TritonExperts(_TritonExpertsBase):
         if use_slot_route(m) and not fp8_pinned:
             return Route.SLOTS
         if (use_grouped_route(m, problem.topk, problem.num_local_experts, problem.n, qc.scheme == "block")
+                and not (problem.lora and qc.quant_dtype is not None)  # the adapters read the rows unquantized
                 and self._grouped_fits(problem, args, rows_copied)):
             return Route.GROUPED
         return Route.SORTED
