@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
@@ -15,7 +14,7 @@ from tests.integrations.hf_tiny import (  # noqa: E402
     DEVICE, FAMILIES, TINY, UNBUILT, experts_of, output, random_tokens, registry_classes, tiny_model,
 )
 from tmoe.integrations.hf_layout import layout_of  # noqa: E402
-from tmoe.testing import assert_close, rel_error  # noqa: E402
+from tmoe.testing import RecordOps, assert_close, rel_error  # noqa: E402
 
 VOCAB = FAMILIES["mixtral"].kwargs.get("vocab_size", 96)
 
@@ -104,16 +103,6 @@ def test_peft_lora_on_experts_matches_eager(name):
     _assert_same_step(_step(model, tokens), want, f"{name} LoRA")
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func._schema.name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_peft_lora_runs_fused(name):
     """With tmoe, PEFT's adapted expert weight W + s * lhs @ rhs feeds nothing: the factors reach
@@ -128,9 +117,9 @@ def test_peft_lora_runs_fused(name):
 
     def ops():
         model.zero_grad(set_to_none=True)
-        with _Ops() as forward:
+        with RecordOps() as forward:
             _, loss = _loss(model, tokens)
-        with _Ops() as backward:
+        with RecordOps() as backward:
             loss.backward()
         return forward.names, backward.names
 
