@@ -139,7 +139,10 @@ def fused_experts(
             id to local id or -1), ``w1_scale``/``w2_scale``,
             ``a1_scale``/``a2_scale`` (static per-tensor fp8 activation scales),
             ``apply_router_weight_on_input`` (topk == 1), ``w1_bias`` (E, 2N) / ``w2_bias`` (E, K),
-            ``w1_zp``/``w2_zp`` (int4/int8 zero points).
+            ``w1_zp``/``w2_zp`` (int4/int8 zero points), LoRA adapters on the experts
+            ``w1_lora_a`` (E, r1, K) / ``w1_lora_b`` (E, 2N, r1), ``w2_lora_a`` (E, r2, N) /
+            ``w2_lora_b`` (E, K, r2) in hidden_states' dtype, r <= 128, and ``lora_scale`` (None: 1.0;
+            the experts run w + lora_scale * b @ a without forming it: docs/lora.md).
 
     Returns:
         (M, K) tensor in hidden_states.dtype.
