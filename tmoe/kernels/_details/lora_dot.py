@@ -5,7 +5,7 @@ For a tile of rows (slots) of expert e and output columns ``cols`` of the expert
 The GEMM's K loop ran over W[e] alone; the epilogue adds ``scale * u @ L[e][:, cols]``, where the
 rows' ``u`` (r values each) is their product with the other factor, computed beforehand by a small
 GEMM of its own: never W[e] + B[e] A[e]. One [BM, R] x [R, BN] dot (R the rank padded to a power
-of two, at least 16), float32 accumulation."""
+of two, at least 16) accumulating onto the tile's float32 accumulator."""
 import triton
 import triton.language as tl
 
@@ -21,10 +21,13 @@ def lora_term(
     rank, stride_lr, stride_lc, scale,
     LORA_R: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """acc + scale * u[rows, :rank] @ L[:rank, cols] (float32 [BM, BN]); masked rows and columns add 0."""
+    """acc + (scale * u[rows, :rank]) @ L[:rank, cols] (float32 [BM, BN]; scale * u rounded to u's
+    dtype, exact for a power-of-two scale); masked rows and columns add 0."""
     offs_r = tl.arange(0, LORA_R)
     mask_r = offs_r < rank
     u = tl.load(u_rows[:, None] + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)  # [BM, R]
     lt = tl.load(l_ptr + offs_r[:, None] * stride_lr + cols[None, :] * stride_lc,
                  mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [R, BN]
-    return acc + scale * tl.dot(u, lt, input_precision=PRECISION)
+    # the MMA accumulates onto the tile in place: a separate [BM, BN] product beside acc spills registers
+    # at the grouped core's 128 x 256 tiles (STACK 592 bytes on sm_90)
+    return tl.dot((u * scale).to(u.dtype), lt, acc, input_precision=PRECISION)
