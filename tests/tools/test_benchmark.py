@@ -221,6 +221,20 @@ def test_with_routes_forces_the_path_inside_the_call():
         bm.parse_args(["--routes", "sideways"])
 
 
+def test_batch_invariant_runs_tmoe_in_the_mode():
+    from tmoe.config.invariant import batch_invariant_requested
+
+    seen = []
+    probe = inputs.Provider("tmoe", lambda r: seen.append(batch_invariant_requested()))
+    other = inputs.Provider("grouped_mm", lambda r: seen.append(batch_invariant_requested()))
+    out = peers.batch_invariant(peers.with_routes([probe, other], ("auto", "sorted")))
+    assert [p.name for p in out] == ["tmoe[invariant]", "tmoe[sorted][invariant]", "grouped_mm"]
+    for p in out:
+        p.fn(None)
+    assert seen == [True, True, False]
+    assert bm.parse_args(["--batch-invariant"]).batch_invariant and not bm.parse_args([]).batch_invariant
+
+
 def test_scaled_grouped_mm_setup_failure_is_reported(monkeypatch):
     def broken(w, mode):
         raise MemoryError("no room for fp8 weights")

@@ -140,6 +140,8 @@ def bench_shape(s: Shape, ms: Sequence[int], args: argparse.Namespace, ceil: tim
     dev = torch.device("cuda")
     w1, w2 = make_weights(s.e, s.n, s.k, dev)
     providers = peers.with_routes(peers.providers(args.dtype, w1, w2, args.providers), args.routes)
+    if args.batch_invariant:
+        providers = peers.batch_invariant(providers)
     per_value = value_bytes(args.dtype)
     stage_weights = None
     if args.stages and args.dtype == "bf16":
@@ -185,6 +187,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--routes", default="auto",
                    help="comma list of auto,sorted,direct,slots,fused,grouped: tmoe by token count, or forced to its aligned, "
                         "decode, per-slot, fused decode or grouped-core path (rows tmoe[sorted], tmoe[direct], ...)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="run tmoe under tmoe.batch_invariant() (rows tmoe[invariant], ...): what the mode costs")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
     shapes, names = args.shapes.split(","), tuple(args.providers.split(","))

@@ -200,6 +200,19 @@ def with_routes(providers: list[Provider], routes: tuple[str, ...]) -> list[Prov
     return out
 
 
+def batch_invariant(providers: list[Provider]) -> list[Provider]:
+    """Every tmoe provider run under ``tmoe.batch_invariant()``, named "<name>[invariant]"; the
+    peers unchanged."""
+    def invariant(fn: Callable[[RoutedInputs], torch.Tensor]) -> Callable[[RoutedInputs], torch.Tensor]:
+        def call(r: RoutedInputs) -> torch.Tensor:
+            with tmoe.batch_invariant():
+                return fn(r)
+        return call
+
+    return [Provider(f"{p.name}[invariant]", invariant(p.fn), p.syncs) if p.name.startswith("tmoe") else p
+            for p in providers]
+
+
 def providers(dtype: str, w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, ...]) -> list[Provider]:
     """The providers of a run: ``bf16_providers`` for "bf16", ``low_bit_providers`` for int4, int8
     and mxfp4, else those among the fp8 tmoe layer and "scaled_grouped_mm" (a failing fp8 setup
