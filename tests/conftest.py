@@ -145,7 +145,8 @@ def fp8_route(request):
 
 @pytest.fixture(params=["sorted", "direct"])
 def fp8_matrix_route(request):
-    """``matrix_route`` for fp8 activations (no fused path, see ``fp8_route``)."""
+    """``matrix_route`` for fp8 activations (no fused path, see ``fp8_route``), and for matrices whose
+    fused-path cases a test of their own covers."""
     yield from _forced_route(request.param)
 
 

@@ -114,10 +114,11 @@ STEP_CASES = [(case, groups) for case in ONE_GROUP for groups in (1, 2)] + [
 
 
 @pytest.mark.parametrize("case,groups_per_step", STEP_CASES, ids=lambda v: str(v))
-def test_low_bit_k_steps(case, groups_per_step, matrix_route):
+def test_low_bit_k_steps(case, groups_per_step, fp8_matrix_route):
     """One group per K step: bf16/fp16 4-bit steps build the values in the activation dtype (int4
     with the OFFSET row-sum correction), the others in float32. Several: each value is scaled
-    before the dot. The last step's packed rows and groups past K are masked."""
+    before the dot. The last step's packed rows and groups past K are masked. On the aligned and
+    decode paths (the fused kernel's K steps: ``test_low_bit_fused_decode_steps``)."""
     tiles = tmoe.GemmConfig(16, 32, case.group * groups_per_step, num_stages=2)
     with tmoe.override_config(tmoe.MoEConfig(tiles, tiles, tiles)):
         out, ref = run_case(case)
