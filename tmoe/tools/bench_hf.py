@@ -1,7 +1,9 @@
 """``python -m tmoe bench-hf``: transformers' experts implementations compared (GPU; ``--tiny`` runs on CPU).
 
 Training: one decoder layer at Qwen3-30B-A3B's and GPT-OSS-20B's sizes (bf16, ``--tokens`` rows),
-forward + backward + AdamW step, median ms and peak memory, for each ``experts_implementation``.
+forward + backward + AdamW step, median ms and peak memory, for each ``experts_implementation``;
+``--lora R``: PEFT's LoRA of rank R on the experts (``target_parameters``, the base frozen, AdamW on
+the factors), rows ``train_layer_lora_r<R>``.
 Inference: ``generate`` with a static cache under torch.compile, ms per new token, for a 2-layer
 model at Qwen3-30B-A3B's sizes ("tmoe" with CUDA graphs; "grouped_mm", which cannot be captured,
 with max-autotune-no-cudagraphs). Each row is printed as it is measured; ``--csv PATH`` also appends it
@@ -57,19 +59,35 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def train_layer(sizes: dict, implementation: str, tokens: int, batch: int, tiny: bool, device: str) -> tuple[float, float]:
-    """(median ms, peak GiB) of one forward + backward + AdamW step of the model's first decoder layer."""
+LORA_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def peft_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``model`` with PEFT's LoRA of rank ``rank`` (alpha 2 * rank) on its experts' weights
+    (``target_parameters``), everything else frozen: the recipe of docs/huggingface.md."""
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[], target_parameters=LORA_TARGETS)
+    return peft.get_peft_model(model, config).base_model.model
+
+
+def train_layer(sizes: dict, implementation: str, tokens: int, batch: int, tiny: bool, device: str,
+                lora_rank: int | None = None) -> tuple[float, float]:
+    """(median ms, peak GiB) of one forward + backward + AdamW step of the model's first decoder
+    layer (``lora_rank``: of its PEFT LoRA factors on the experts, the rest frozen)."""
     config = _config(sizes, 1, tiny)
     dtype = torch.float32 if tiny else torch.bfloat16
     with torch.device(device):  # built where it runs (a CPU init of GPT-OSS's 201k-row embeddings takes minutes)
         model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=implementation,
                                                               dtype=dtype)
+    if lora_rank is not None:
+        model = peft_lora(model, lora_rank)
     layer, rotary = model.model.layers[0].train(), model.model.rotary_emb
     del model  # the embeddings and head are freed before the peak is reset
     x = torch.randn(batch, tokens, config.hidden_size, device=device, dtype=dtype, requires_grad=True)
     positions = torch.arange(tokens, device=device).expand(batch, -1)
     embeddings = rotary(x, positions)
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=1e-5)
 
     def step():
         out = layer(x, position_embeddings=embeddings, position_ids=positions)
@@ -120,11 +138,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the training rows' models (default: both)")
     p.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS, default=IMPLEMENTATIONS,
                    help="the training rows' experts implementations (generate compares tmoe and grouped_mm)")
+    p.add_argument("--lora", type=int, default=None, metavar="R",
+                   help="train PEFT LoRA factors of rank R on the experts instead of the whole layer")
     p.add_argument("--csv", type=Path, default=None, metavar="PATH",
                    help="append each row to this CSV as measured (default: none, the rows are printed; a developer "
                         "recording a run passes bench/results/bench_hf.csv)")
     p.add_argument("--commit", default=None, help="commit to record (default: git rev-parse --short HEAD)")
     args = p.parse_args(argv)
+    if args.lora is not None and not 1 <= args.lora <= 128:
+        p.error(f"--lora must be a rank in 1..128, got {args.lora}")
     defaults = (16, 2, 4) if args.tiny else (4096, 4, 64)
     args.tokens, args.batch, args.new_tokens = (given if given is not None else default for given, default in
                                                 zip((args.tokens, args.batch, args.new_tokens), defaults))
@@ -154,8 +176,9 @@ def main(argv: list[str]) -> int:
     if args.skip != "train":
         for name in args.models:
             for impl in args.implementations:
-                ms, peak = train_layer(TRAIN_MODELS[name], impl, args.tokens, args.batch, args.tiny, device)
-                record(["train_layer", name, impl, args.batch, args.tokens, f"{ms:.2f}", f"{peak:.2f}"])
+                ms, peak = train_layer(TRAIN_MODELS[name], impl, args.tokens, args.batch, args.tiny, device, args.lora)
+                bench = "train_layer" if args.lora is None else f"train_layer_lora_r{args.lora}"
+                record([bench, name, impl, args.batch, args.tokens, f"{ms:.2f}", f"{peak:.2f}"])
     if args.skip != "generate":
         for batch in (1, 32):
             for impl in ("tmoe", "grouped_mm"):
