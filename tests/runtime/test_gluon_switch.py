@@ -1,5 +1,5 @@
 """Which engine the grouped GEMMs take: the Gluon engine only where it can run (an sm_90 GPU, not the
-interpreter): the float up GEMM by default, every grouped GEMM with ``TMOE_GLUON=1`` or inside
+interpreter): the float up GEMM of enough rows per expert by default, every grouped GEMM with ``TMOE_GLUON=1`` or inside
 ``override_engine("gluon")``, neither with ``TMOE_GLUON=0`` or inside ``override_engine("tl")``."""
 import pytest
 import torch
@@ -16,10 +16,12 @@ def test_engine_by_gemm_environment_and_override(monkeypatch):
     monkeypatch.setattr(gluon, "INTERPRETED", False)
     cuda = torch.device("cuda", 0)
     assert gluon.gluon_ready(cuda, "up") and not gluon.gluon_ready(cuda, "down")  # the default
+    rows = gluon.DEFAULT_MIN_ROWS_PER_EXPERT
+    assert gluon.gluon_ready(cuda, "up", rows) and not gluon.gluon_ready(cuda, "up", rows / 2)  # DeepSeek-V3 M = 4096
     assert not gluon.gluon_ready(cuda, "up.fp8")
     assert not gluon.gluon_ready(cuda, "dx")
     monkeypatch.setenv("TMOE_GLUON", "1")
-    assert all(gluon.gluon_ready(cuda, g) for g in ("up", "down", "up.fp8", "down.fp8"))
+    assert all(gluon.gluon_ready(cuda, g, 1) for g in ("up", "down", "up.fp8", "down.fp8"))  # asked: at any rows
     with gluon.override_engine("tl"):
         assert not gluon.gluon_ready(cuda, "up")
     monkeypatch.setenv("TMOE_GLUON", "0")

@@ -143,7 +143,9 @@ def invoke_grouped_gemm(
     in sorted-row order, ``tmoe.kernels.lora``). Shapes were checked by the caller. On Hopper, where ``tmoe.runtime.gluon``
     wants it (the float up GEMM by default), all but block scales and the fused output quantization run on
     the warp-specialized Gluon engine (``gluon_grouped``), the same math; else on this module's ``tl`` kernel."""
-    if (gluon_grouped is not None and out_scale is None and lora is None and gluon_ready(a.device, ("up" if gated else "down") + (".fp8" if scales is not None else ""))
+    gemm = ("up" if gated else "down") + (".fp8" if scales is not None else "")
+    if (gluon_grouped is not None and out_scale is None and lora is None
+            and gluon_ready(a.device, gemm, routing.num_slots / max(w.shape[0], 1))
             and gluon_grouped.gluon_grouped_fits(a, w, out, config, activation, gated, scales)):
         return gluon_grouped.invoke_gluon_grouped_gemm(
             a, w, out, config, routing, sm_count(a.device), gated=gated, activation=activation,
