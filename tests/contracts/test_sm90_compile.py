@@ -216,7 +216,8 @@ SCRIPT = textwrap.dedent("""
     print(" ".join(sorted({name for name, ptx, launch_pdl in compiled
                            if launch_pdl and first(ptx, MEMORY) < first(ptx, "griddepcontrol.wait")})) or "-")
     print(" ".join(sorted(over)) or "-")
-    # the LoRA term accumulates onto the tile: at most a few bytes of spilled registers at 128 x 256 tiles
+    # the LoRA term accumulates onto the tile: at most a few spilled registers at 128 x 256 tiles (Triton
+    # 3.6: 0-8 bytes of stack, 3.9: up to 80; a separate [BM, BN] product spilled 592-672)
     stack = lambda cubin: re.search(r"STACK:(\\d+)", sass(cubin)).group(1)
     stacks = {name + ":" + stack(cubin) for name, cubin in lora_cubins}
     print(" ".join(sorted(stacks)))
@@ -246,5 +247,5 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert not_late == "-", f"these trigger their dependents before their wait or inside the K loop: {not_late}"
     assert not_first == "-", f"these touch global memory before their wait: {not_first}"
     assert over == "-", f"these need more shared memory than an sm_90 block has (227 KB): {over}"
-    assert lora_stacks and all(int(s.rsplit(":", 1)[1]) <= 32 for s in lora_stacks.split()), \
+    assert lora_stacks and all(int(s.rsplit(":", 1)[1]) <= 128 for s in lora_stacks.split()), \
         f"the LoRA GEMMs spill registers (name:tile:stack bytes; a separate product spilled 592-672): {lora_stacks}"
