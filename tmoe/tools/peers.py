@@ -8,7 +8,7 @@ Every provider maps one ``RoutedInputs`` to the (M, K) layer output. Peers follo
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -182,35 +182,33 @@ def scaled_grouped_mm_provider(w1: torch.Tensor, w2: torch.Tensor) -> Provider:
     return Provider("scaled_grouped_mm", fn)
 
 
+def _within(fn: Callable[[RoutedInputs], torch.Tensor], context: Callable[[], ContextManager]
+            ) -> Callable[[RoutedInputs], torch.Tensor]:
+    """``fn`` called inside a fresh ``context()`` each time (a forced route, the batch-invariant mode)."""
+    def call(r: RoutedInputs) -> torch.Tensor:
+        with context():
+            return fn(r)
+    return call
+
+
 def with_routes(providers: list[Provider], routes: tuple[str, ...]) -> list[Provider]:
     """The "tmoe" provider once per route: "auto" as it is, "sorted"/"direct" forced to the
     aligned or decode path and named "tmoe[sorted]"/"tmoe[direct]"; other providers unchanged."""
-    def forced(fn: Callable[[RoutedInputs], torch.Tensor], route: str) -> Callable[[RoutedInputs], torch.Tensor]:
-        def call(r: RoutedInputs) -> torch.Tensor:
-            with tmoe.override_route(route):
-                return fn(r)
-        return call
-
     out = []
     for p in providers:
         if p.name != "tmoe":
             out.append(p)
             continue
-        out += [p if r == "auto" else Provider(f"tmoe[{r}]", forced(p.fn, r), p.syncs) for r in routes]
+        out += [p if r == "auto" else Provider(f"tmoe[{r}]", _within(p.fn, functools.partial(tmoe.override_route, r)),
+                                               p.syncs) for r in routes]
     return out
 
 
 def batch_invariant(providers: list[Provider]) -> list[Provider]:
     """Every tmoe provider run under ``tmoe.batch_invariant()``, named "<name>[invariant]"; the
     peers unchanged."""
-    def invariant(fn: Callable[[RoutedInputs], torch.Tensor]) -> Callable[[RoutedInputs], torch.Tensor]:
-        def call(r: RoutedInputs) -> torch.Tensor:
-            with tmoe.batch_invariant():
-                return fn(r)
-        return call
-
-    return [Provider(f"{p.name}[invariant]", invariant(p.fn), p.syncs) if p.name.startswith("tmoe") else p
-            for p in providers]
+    return [Provider(f"{p.name}[invariant]", _within(p.fn, tmoe.batch_invariant), p.syncs)
+            if p.name.startswith("tmoe") else p for p in providers]
 
 
 def providers(dtype: str, w1: torch.Tensor, w2: torch.Tensor, names: tuple[str, ...]) -> list[Provider]:
