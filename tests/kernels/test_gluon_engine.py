@@ -16,7 +16,7 @@ from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, make_problem
 
 with override_engine("gluon"):
-    HOPPER = torch.cuda.is_available() and gluon_ready(torch.device("cuda"), "down")
+    HOPPER = torch.cuda.is_available() and gluon_ready(torch.device("cuda"), "down", 1)
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU (the Gluon engine)")]
 
 

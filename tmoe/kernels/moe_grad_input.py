@@ -152,7 +152,8 @@ def _launch(
         return
     fp32 = d.dtype == torch.float32
     router_grad = partial is not None
-    if gluon_grad_input is not None and lora is None and tile_m is None and gluon_ready(d.device, "dx"):
+    if (gluon_grad_input is not None and lora is None and tile_m is None
+            and gluon_ready(d.device, "dx", num_slots / max(w.shape[0], 1))):
         engine = GemmConfig(block_m, tiles.block_n, tiles.block_r, num_warps=tiles.num_warps,
                             group_m=row_group(block_m * rows_w * d.element_size()))
         if gluon_grad_input.gluon_grad_input_fits(d, w, out, block_m, engine, scale, skip_remote):

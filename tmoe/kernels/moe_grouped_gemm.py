@@ -141,7 +141,7 @@ def invoke_grouped_gemm(
     (gated; (num_slots, N_w) contiguous): each slot's pre-activation is stored there too, as
     ``invoke_moe_gemm``'s. ``lora``: the epilogue adds ``lora.scale * u[row] @ B[e].T`` (u (EM, r)
     in sorted-row order, ``tmoe.kernels.lora``). Shapes were checked by the caller. On Hopper, where ``tmoe.runtime.gluon``
-    wants it (the float up GEMM by default), all but block scales and the fused output quantization run on
+    wants it (by default the float up GEMM of enough rows per expert), all but block scales and the fused output quantization run on
     the warp-specialized Gluon engine (``gluon_grouped``), the same math; else on this module's ``tl`` kernel."""
     gemm = ("up" if gated else "down") + (".fp8" if scales is not None else "")
     if (gluon_grouped is not None and out_scale is None and lora is None

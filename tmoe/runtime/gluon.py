@@ -47,7 +47,7 @@ DEFAULT_GEMMS = ("up", )  # the GEMMs the engine runs unless told otherwise: mea
 DEFAULT_MIN_ROWS_PER_EXPERT = 256  # ... at this many routed rows per expert and more
 
 
-def gluon_ready(device: torch.device, gemm: str, rows_per_expert: float = float("inf")) -> bool:
+def gluon_ready(device: torch.device, gemm: str, rows_per_expert: float) -> bool:
     """The Gluon engine can run on ``device`` and is wanted for grouped GEMM ``gemm``: "up" or
     "down" with float operands, "up.fp8" or "down.fp8" with fp8 ones, "dx" the input gradient's;
     ``rows_per_expert``: the call's routed rows (slots) over its experts (see the module docstring)."""
