@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import importlib.util
 import statistics
 import time
 from pathlib import Path
@@ -147,6 +148,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.lora is not None and not 1 <= args.lora <= 128:
         p.error(f"--lora must be a rank in 1..128, got {args.lora}")
+    if args.lora is not None and importlib.util.find_spec("peft") is None:
+        p.error("--lora needs PEFT (pip install -e \".[hf]\")")
     defaults = (16, 2, 4) if args.tiny else (4096, 4, 64)
     args.tokens, args.batch, args.new_tokens = (given if given is not None else default for given, default in
                                                 zip((args.tokens, args.batch, args.new_tokens), defaults))
