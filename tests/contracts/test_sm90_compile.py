@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent("""
     swapped = []  # (QUANT, ptx) of the swap_ab GEMMs
 
     cubins = {}  # the first cubin of each kernel
-    lora_cubins = []  # (name:tile, cubin) of the grouped core's and the input gradient's LoRA GEMMs
+    lora_cubins = []  # (name:tile, cubin) of the LoRA GEMMs: the grouped core's, the input gradient's, serving's
     over = set()  # kernels whose shared memory exceeds Hopper's 227 KB per block (launch would fail)
 
     def record(name, kwargs, kernel):
@@ -46,7 +46,8 @@ SCRIPT = textwrap.dedent("""
         if kernel.metadata.shared > 232448:
             over.add(f"{name}:{kernel.metadata.shared}")
         cubins.setdefault(name, kernel.asm["cubin"])
-        if kwargs.get("LORA") and name in ("_grouped_gemm_kernel", "_moe_grad_input_kernel"):
+        if kwargs.get("LORA") and (name in ("_grouped_gemm_kernel", "_moe_grad_input_kernel")
+                                   or kwargs.get("LORA_ADAPTERS")):
             lora_cubins.append((f"{name}:{kwargs['BLOCK_M']}x{kwargs['BLOCK_N']}", kernel.asm["cubin"]))
         if kwargs.get("SWAP_AB"):
             swapped.append((kwargs["QUANT"], kernel.asm["ptx"]))
@@ -127,6 +128,14 @@ SCRIPT = textwrap.dedent("""
         with tmoe.override_route(route):
             tmoe.fused_experts(train[0], p.w1, p.w2, p.topk_weights, p.topk_ids, lora_scale=2.0,
                                **lora).sum().backward()
+    # several adapters served at once (8 of rank 16, stacked; each token its own or none)
+    stacked = dict(w1_lora_a=(8, 4, 16, 256), w1_lora_b=(8, 4, 256, 16), w2_lora_a=(8, 4, 16, 128),
+                   w2_lora_b=(8, 4, 256, 16))
+    stacked = {name: torch.randn(shape).to(torch.bfloat16) for name, shape in stacked.items()}
+    for route in ("slots", "sorted"):
+        with tmoe.override_route(route), torch.no_grad():
+            tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids,
+                               lora_ids=torch.randint(-1, 8, (9,), dtype=torch.int32), **stacked)
     tmoe.topk_route(torch.randn(9, 16, requires_grad=True), 2)[0].sum().backward()
     tmoe.per_token_quant_fp8(p.x)
     tmoe.static_quant_fp8(p.x, torch.ones(1))

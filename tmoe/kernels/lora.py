@@ -10,7 +10,12 @@ small GEMM of its own on the same routing, and its product with B[e] is one rank
 GEMM's epilogue (``_details.lora_dot``). The backward needs the same two shapes: a small GEMM for
 the rows' product with one factor, and the rank-deep dot with the other in the epilogue of the
 input-gradient GEMMs (``moe_grad_input``); the factors' own gradients are K-grouped GEMMs with r
-rows or columns (``moe_grad_weight``)."""
+rows or columns (``moe_grad_weight``).
+
+Serving several adapters at once (vLLM's MoE-LoRA contract): the factors are stacked, A (L, E, r,
+C_in) and B (L, E, C_out, r), and each token names its adapter (or -1, none). The row GEMM then
+runs on virtual experts l * E + e (each slot's own adapter's A[l, e]: ``adapter_expert_ids``), and
+the epilogue adds each row's term with its adapter's B[l, e] (``_details.lora_dot``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +36,8 @@ class LoraOperands:
     u: torch.Tensor
     factor: torch.Tensor
     scale: float
+    adapters: torch.Tensor | None = None
+    """Several adapters: (rows,) int32, each row's adapter (-1: none), and factor (L, E, C_out, r)."""
 
 
 def padded_rank(rank: int) -> int:
@@ -48,20 +55,54 @@ def lora_args(lora: LoraOperands | None, unused: torch.Tensor, batched: bool = F
     u, f = lora.u, lora.factor
     if u.stride(1) != 1:
         raise ValueError("the LoRA rows u must have their rank contiguous")
-    return dict(lora_u_ptr=u, lora_b_ptr=f, lora_rank=f.shape[2], stride_lum=u.stride(0), stride_lbe=f.stride(0),
-                stride_lbn=f.stride(1), stride_lbr=f.stride(2), lora_scale=float(lora.scale), LORA=True,
-                LORA_R=padded_rank(f.shape[2]))
+    if lora.adapters is not None:
+        f = f[0]  # one adapter's (E, C_out, r): the strides within it; the adapter stride is lora_adapter_args'
+    return dict(lora_u_ptr=u, lora_b_ptr=lora.factor, lora_rank=f.shape[2], stride_lum=u.stride(0),
+                stride_lbe=f.stride(0), stride_lbn=f.stride(1), stride_lbr=f.stride(2), lora_scale=float(lora.scale),
+                LORA=True, LORA_R=padded_rank(f.shape[2]))
+
+
+def lora_adapter_args(lora: LoraOperands | None, unused: torch.Tensor) -> dict:
+    """``moe_gemm``'s keyword arguments of several stacked adapters (``LORA_ADAPTERS`` False without)."""
+    if lora is None or lora.adapters is None:
+        return dict(lora_adapter_ptr=unused, lora_num_adapters=1, stride_lbl=0, LORA_ADAPTERS=False)
+    return dict(lora_adapter_ptr=lora.adapters, lora_num_adapters=lora.factor.shape[0],
+                stride_lbl=lora.factor.stride(0), LORA_ADAPTERS=True)
+
+
+def adapter_expert_ids(topk_ids: torch.Tensor, token_adapters: torch.Tensor, num_experts: int,
+                       expert_map: torch.Tensor | None, num_local_experts: int) -> torch.Tensor:
+    """(M, topk) int32 virtual expert ids l * E_local + e of each slot (e its local expert, l its
+    token's adapter), -1 where the token has no adapter or the expert is not local: the ids the
+    adapters' row GEMM aligns on, over A (L, E_local, r, C) viewed as (L * E_local, r, C).
+    On the device, no sync; ids outside [0, num_experts) count as not local."""
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < num_experts)
+    local = ids.clamp(0, num_experts - 1)
+    if expert_map is not None:
+        local = expert_map.long()[local]
+        valid &= (local >= 0) & (local < num_local_experts)
+    l = token_adapters.long()[:, None]
+    valid &= l >= 0
+    return torch.where(valid, l * num_local_experts + local, -1).to(torch.int32)
+
+
+def slot_adapters(token_adapters: torch.Tensor, topk: int) -> torch.Tensor:
+    """(M * topk,) int32: each slot's adapter (its token's), as the GEMM epilogue reads it."""
+    return token_adapters.to(torch.int32)[:, None].expand(-1, topk).reshape(-1)
 
 
 @dataclass(frozen=True)
 class LoraWeights:
     """One expert weight's adapter as the layer call gives it: ``a`` (E, r, C_in), ``b`` (E, C_out,
-    r), ``scale``; the experts run W + scale * b @ a."""
+    r), ``scale``; the experts run W + scale * b @ a. Several adapters: ``a`` (L, E, r, C_in), ``b``
+    (L, E, C_out, r) and ``token_adapters`` (M,) each token's adapter (-1: none)."""
 
     a: torch.Tensor
     b: torch.Tensor
     scale: float
+    token_adapters: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
-        return self.a.shape[1]
+        return self.a.shape[-2]

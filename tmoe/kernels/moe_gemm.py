@@ -30,7 +30,7 @@ from tmoe.kernels.gemm_args import (
     fit_shared_memory, fit_low_bit, fused_quant_group, scale_args, persistent_epilogue_bytes, uniform_w_scale, up_in_halves,
     weight_bytes, weight_descriptor,
 )
-from tmoe.kernels.lora import LoraOperands, lora_args
+from tmoe.kernels.lora import LoraOperands, lora_adapter_args, lora_args
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales
 from tmoe.kernels.route import Route
 from tmoe.runtime.device import persistent_programs, shared_memory_budget
@@ -73,6 +73,8 @@ def _moe_gemm_kernel(
     lora_u_ptr,  # LORA (Standard): [num_slots, rank] t = a @ A[e].T of each slot, row = slot
     lora_b_ptr,  # LORA: [E, N_w, rank] B, W's LoRA factor (its rows in W's row order)
     lora_rank, stride_lum, stride_lbe, stride_lbn, stride_lbr, lora_scale,
+    lora_adapter_ptr,  # LORA_ADAPTERS: [num_slots] int32 each slot's adapter (-1: none); B is [L, E, N_w, rank]
+    lora_num_adapters, stride_lbl,
     N, K, num_slots, a_row_div, num_pid_m, blocks_per_expert, num_experts, num_local_experts,
     stride_ae, stride_am, stride_ak,
     stride_we, stride_wn, stride_wk,
@@ -88,7 +90,7 @@ def _moe_gemm_kernel(
     ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     W_DESC: tl.constexpr, UNIFORM_W_SCALE: tl.constexpr, HAS_ZP: tl.constexpr, ASM_UNPACK: tl.constexpr,
     SWAP_AB: tl.constexpr, USE_PDL: tl.constexpr, PERSISTENT: tl.constexpr, HALVES: tl.constexpr,
-    SAVE_PRE: tl.constexpr, LORA: tl.constexpr, LORA_R: tl.constexpr,
+    SAVE_PRE: tl.constexpr, LORA: tl.constexpr, LORA_R: tl.constexpr, LORA_ADAPTERS: tl.constexpr,
 ):
     pdl_wait(USE_PDL)  # PDL: before anything is read; the next kernel may start after the K loop (pdl.py)
     if PERSISTENT:  # sorted route, TMA weights: each program walks the valid tiles, grid-size apart
@@ -118,7 +120,8 @@ def _moe_gemm_kernel(
                              quant_eps, act_alpha, act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION,
                              CLAMP, MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE,
                              lora_u_ptr + slots * stride_lum, lora_b_ptr + expert * stride_lbe, lora_rank, stride_lbn,
-                             stride_lbr, lora_scale, LORA, LORA_R, PRECISION)
+                             stride_lbr, lora_scale, lora_adapter_ptr + slots, lora_num_adapters, stride_lbl, LORA,
+                             LORA_R, LORA_ADAPTERS, PRECISION)
         pdl_launch_dependents(USE_PDL)
     else:  # one program per output tile
         pid_m, pid_n = tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -191,7 +194,8 @@ def _moe_gemm_kernel(
                      act_alpha, act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP,
                      MUL_ROUTED_WEIGHT, HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE,
                      lora_u_ptr + slots * stride_lum, lora_b_ptr + expert * stride_lbe, lora_rank, stride_lbn,
-                     stride_lbr, lora_scale, LORA, LORA_R, PRECISION)
+                     stride_lbr, lora_scale, lora_adapter_ptr + slots, lora_num_adapters, stride_lbl, LORA, LORA_R,
+                     LORA_ADAPTERS, PRECISION)
 
 
 @with_interpreter_fixes
@@ -231,7 +235,7 @@ def invoke_moe_gemm(
     (gated, Standard routing; (num_slots, N_w) contiguous, x's dtype): the epilogue also stores each
     slot's pre-activation there (``moe_epilogue``'s SAVE_PRE), gate columns then up columns.
     ``lora`` (Standard routing, float operands): the epilogue adds ``lora.scale * t @ B[e].T`` to
-    x @ W[e].T (``LoraOperands``). Shapes were checked by the caller. Planned: the body runs once per static signature of the arguments."""
+    x @ W[e].T (``LoraOperands``; several stacked adapters: each slot's own). Shapes were checked by the caller. Planned: the body runs once per static signature of the arguments."""
     act_args = (activation or Activation()).kernel_args() if gated else NO_ACTIVATION_ARGS
     mul = act_args["MUL"]
     n, k = out.shape[-1], a.shape[-1]
@@ -291,7 +295,7 @@ def invoke_moe_gemm(
         num_warps=config.num_warps, num_stages=config.num_stages, SWAP_AB=config.swap_ab, PERSISTENT=persistent,
         HALVES=up_in_halves(w, mul, act_args["INTERLEAVED"]),
         pre_ptr=pre_out if pre_out is not None else w, stride_pm=pre_out.stride(0) if pre_out is not None else 0,
-        SAVE_PRE=pre_out is not None, **lora_args(lora, w, batched),
+        SAVE_PRE=pre_out is not None, **lora_args(lora, w, batched), **lora_adapter_args(lora, w),
         **route_args, **scale_args(scales, a, w, config, config.block_n * (1 + mul), batched=batched), **pdl_args(),
     )
     if w_desc is not None:  # a descriptor is built per call: launched here, not planned

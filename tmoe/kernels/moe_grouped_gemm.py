@@ -98,7 +98,7 @@ def _grouped_gemm_kernel(
                      act_limit, BLOCK_M, BLOCK_N, GATED, MUL, INTERLEAVED, ACTIVATION, CLAMP, MUL_ROUTED_WEIGHT,
                      HAS_BIAS, QUANT_OUT, GROUP_OUT, SAVE_PRE, lora_u_ptr + rows * stride_lum,
                      lora_b_ptr + expert.to(tl.int64) * stride_lbe, lora_rank, stride_lbn, stride_lbr, lora_scale,
-                     LORA, LORA_R, PRECISION)
+                     sorted_ids_ptr + rows, 1, 0, LORA, LORA_R, False, PRECISION)
     pdl_launch_dependents(USE_PDL)
 
 
@@ -143,6 +143,8 @@ def invoke_grouped_gemm(
     in sorted-row order, ``tmoe.kernels.lora``). Shapes were checked by the caller. On Hopper, where ``tmoe.runtime.gluon``
     wants it (by default the float up GEMM of enough rows per expert), all but block scales and the fused output quantization run on
     the warp-specialized Gluon engine (``gluon_grouped``), the same math; else on this module's ``tl`` kernel."""
+    if lora is not None and lora.adapters is not None:
+        raise ValueError("the grouped core runs one LoRA adapter; several (token_adapters) run the sorted route")
     gemm = ("up" if gated else "down") + (".fp8" if scales is not None else "")
     if (gluon_grouped is not None and out_scale is None and lora is None
             and gluon_ready(a.device, gemm, routing.num_slots / max(w.shape[0], 1))

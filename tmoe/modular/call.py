@@ -38,6 +38,9 @@ class LayerArgs(NamedTuple):
     ``w1_lora_a`` (E, r1, K) and ``w1_lora_b`` (E, 2N, r1) (w1's rows), ``w2_lora_a`` (E, r2, N)
     and ``w2_lora_b`` (E, K, r2), hidden_states' dtype, each pair optional, r <= 128; the experts
     run w + ``lora_scale`` * b @ a (None: 1.0) without forming it (``tmoe.kernels.lora``).
+    Several adapters at once (serving, vLLM's MoE-LoRA contract): the factors stacked, (L, E, r1, K)
+    / (L, E, 2N, r1) and (L, E, r2, N) / (L, E, K, r2), and ``lora_ids`` (M,) int32/int64 each
+    token's adapter in [0, L), -1 for none; forward only.
     """
 
     hidden_states: torch.Tensor
@@ -65,6 +68,7 @@ class LayerArgs(NamedTuple):
     w2_lora_a: torch.Tensor | None = None
     w2_lora_b: torch.Tensor | None = None
     lora_scale: RuntimeFloat | None = None
+    lora_ids: torch.Tensor | None = None
 
     def activation_value(self) -> Activation:
         """``activation`` and its options as the one value the experts and kernels carry."""

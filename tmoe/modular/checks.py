@@ -112,9 +112,9 @@ def check_layer_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> MoEProblem:
         if k % bk or n % bk:
             raise ValueError(f"block_shape[1]={bk} (the activation group size) must divide the hidden size K={k} "
                              f"and the intermediate size N={n}")
-    lora_ranks = check_lora(args, e, rows, n)
+    lora_ranks, lora_adapters = check_lora(args, e, rows, n)
     return MoEProblem(num_experts, e, n, k, args.topk_ids.shape[1], activation, x.dtype, args.w1.dtype,
-                      lora_ranks=lora_ranks)
+                      lora_ranks=lora_ranks, lora_adapters=lora_adapters)
 
 
 def check_activation(activation: Activation) -> None:

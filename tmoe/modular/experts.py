@@ -12,7 +12,7 @@ from tmoe.config import (
     use_direct_route, use_fused_route, use_grouped_route, use_slot_route,
 )
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.lora import LoraOperands, LoraWeights
+from tmoe.kernels.lora import LoraOperands, LoraWeights, adapter_expert_ids, slot_adapters
 from tmoe.kernels.lora_rows import lora_aligned_rows, lora_token_rows
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales, operand_scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
@@ -35,17 +35,23 @@ def lora_rows(lora: LoraWeights, a: torch.Tensor, call: ExpertsCall, gemm: Calla
     r values per row (``tmoe.kernels.lora_rows``), of every slot (a: token rows, ``a_row_div`` =
     topk, or slot rows), or on the grouped core of every expert-sorted row; with lora.b and
     lora.scale for the epilogue (``tmoe.kernels.lora``; ``block_m``: the grouped core's align block).
-    The router weight is applied after the term."""
+    The router weight is applied after the term. Stacked adapters (``lora.token_adapters``): t of
+    each slot with its token's adapter, the row GEMM on virtual experts l * E_local + e
+    (``adapter_expert_ids``), and each slot's adapter for the epilogue."""
     rows = route.get("routing")
     if gemm is invoke_grouped_gemm:  # expert-sorted rows in, t in the same order
         t = lora_aligned_rows(a, lora.a.transpose(1, 2), rows.sorted_token_ids, rows.expert_ids,
                               rows.num_tokens_post_padded, block_m=block_m, num_slots=rows.num_slots)
         return LoraOperands(t, lora.b, lora.scale)
-    ids = call.topk_ids
-    if rows is not None and rows.a_row_div == 1:  # slot rows (the intermediate): each slot its own "token"
-        ids = ids.reshape(-1, 1)
-    t = lora_token_rows(a, lora.a, ids, call.num_experts, expert_map=call.expert_map,
-                        num_local_experts=call.problem.num_local_experts)
+    ids, e_local = call.topk_ids, call.problem.num_local_experts
+    slot_rows = rows is not None and rows.a_row_div == 1  # slot rows (the intermediate): each slot its own "token"
+    if lora.token_adapters is not None:
+        vids = adapter_expert_ids(ids, lora.token_adapters, call.num_experts, call.expert_map, e_local)
+        t = lora_token_rows(a, lora.a.flatten(0, 1), vids.reshape(-1, 1) if slot_rows else vids,
+                            lora.a.shape[0] * e_local)
+        return LoraOperands(t, lora.b, lora.scale, slot_adapters(lora.token_adapters, ids.shape[1]))
+    t = lora_token_rows(a, lora.a, ids.reshape(-1, 1) if slot_rows else ids, call.num_experts,
+                        expert_map=call.expert_map, num_local_experts=e_local)
     return LoraOperands(t, lora.b, lora.scale)
 
 
@@ -153,6 +159,7 @@ class TritonExperts(_TritonExpertsBase):
             return Route.SLOTS
         if (use_grouped_route(m, problem.topk, problem.num_local_experts, problem.n, qc.scheme == "block")
                 and not (problem.lora and qc.quant_dtype is not None)  # the adapters read the rows unquantized
+                and not problem.lora_adapters  # one adapter per GEMM on the grouped core
                 and self._grouped_fits(problem, args, rows_copied)):
             return Route.GROUPED
         return Route.SORTED

@@ -121,6 +121,9 @@ class KernelSpec:
         and the call's scales and frozen weights allow one (``check_recorded_call``)."""
         check_trainable(args, self.prepare_finalize, self.experts, self.quant.dtype_name, self.quant.weight_dtype)
         check_recorded_call(args, self.quant)
+        if args.lora_ids is not None:
+            raise NotImplementedError("stacked adapters with lora_ids (serving several adapters) run the forward only: "
+                                      "call under torch.no_grad() or train one adapter ((E, r, C) factors)")
         if has_lora(args) and self.prepare_finalize != "noep":
             raise NotImplementedError("training LoRA adapters runs on NoEPPrepareAndFinalize (one device), not with "
                                       f"expert parallelism ({self.prepare_finalize!r})")
@@ -219,7 +222,7 @@ class ModularKernel:
         if len(plan.chunks) == 1:  # one chunk (an empty one when a collective prepare/finalize must run): no slicing
             self._run_chunk(output, args, x, args.topk_ids, args.topk_weights, plan, first,
                             torch.empty(first.ws13, dtype=x.dtype, device=x.device),
-                            torch.empty(first.ws2, dtype=x.dtype, device=x.device), preact)
+                            torch.empty(first.ws2, dtype=x.dtype, device=x.device), preact, args.lora_ids)
             return output
         workspace13 = torch.empty(math.prod(first.ws13), dtype=x.dtype, device=x.device)
         workspace2 = torch.empty(math.prod(first.ws2), dtype=x.dtype, device=x.device)
@@ -227,7 +230,8 @@ class ModularKernel:
             rows = slice(c.start, c.end)
             self._run_chunk(output[rows], args, x[rows], args.topk_ids[rows], args.topk_weights[rows], plan, c,
                             workspace13[: math.prod(c.ws13)].view(c.ws13), workspace2[: math.prod(c.ws2)].view(c.ws2),
-                            None if preact is None else preact[c.start * plan.problem.topk: c.end * plan.problem.topk])
+                            None if preact is None else preact[c.start * plan.problem.topk: c.end * plan.problem.topk],
+                            None if args.lora_ids is None else args.lora_ids[rows])
         return output
 
     def _plan(self, args: LayerArgs, chunk_size: int, saves_preact: bool, batch_invariant: bool) -> CallPlan:
@@ -244,6 +248,9 @@ class ModularKernel:
         if problem.lora and not experts.supports_lora():
             raise NotImplementedError(f"{type(experts).__name__} does not run LoRA adapters (w1_lora_a ...); "
                                       "TritonExperts does")
+        if problem.lora_adapters and pf.kind != "noep":
+            raise NotImplementedError("stacked adapters with lora_ids run on NoEPPrepareAndFinalize (one device), not "
+                                      f"with expert parallelism ({pf.kind!r})")
         x = args.hidden_states
         m = x.shape[0]
         n, k, topk, e_local = problem.n, problem.k, problem.topk, problem.num_local_experts
@@ -266,7 +273,7 @@ class ModularKernel:
 
     def _run_chunk(self, output: torch.Tensor, args: LayerArgs, x: torch.Tensor, ids: torch.Tensor,
                    weights: torch.Tensor, plan: CallPlan, chunk: ChunkPlan, ws13: torch.Tensor,
-                   ws2: torch.Tensor, preact: torch.Tensor | None) -> None:
+                   ws2: torch.Tensor, preact: torch.Tensor | None, lora_ids: torch.Tensor | None) -> None:
         experts, pf = self.fused_experts, self.prepare_finalize
         on_input = args.apply_router_weight_on_input
         problem = plan.problem
@@ -279,7 +286,7 @@ class ModularKernel:
             prepared.expert_num_tokens, prepared.topk_weights if prepared.topk_weights is not None else weights,
             prepared.topk_ids if prepared.topk_ids is not None else ids, args.w1, args.w2, args.expert_map,
             args.w1_scale, args.w2_scale, args.a2_scale, args.w1_bias, args.w2_bias, args.w1_zp, args.w2_zp, on_input,
-            preact, lora_weights(args, "w1"), lora_weights(args, "w2"),
+            preact, lora_weights(args, "w1", lora_ids), lora_weights(args, "w2", lora_ids),
             x if args.w1_lora_a is not None and prepared.a1q.dtype != x.dtype else None,
         )
         experts.apply(fused_out, call, ws13, ws2)

@@ -37,10 +37,12 @@ class MoEProblem:
     weight_dtype: torch.dtype
     batch_invariant: bool = False
     lora_ranks: tuple[int, int] = (0, 0)
+    lora_adapters: int = 0
 
     @property
     def lora(self) -> bool:
-        """The call carries a LoRA adapter on w1 or w2 (``lora_ranks``: their ranks, 0 for none)."""
+        """The call carries a LoRA adapter on w1 or w2 (``lora_ranks``: their ranks, 0 for none;
+        ``lora_adapters``: with ``lora_ids``, the stacked adapters' count L, else 0)."""
         return any(self.lora_ranks)
 
     @property

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from tmoe.kernels._details.common import abs_no_nan, act_and_mul, act_no_mul, fp8_scale, to_fp8
-from tmoe.kernels._details.lora_dot import lora_term
+from tmoe.kernels._details.lora_dot import lora_term, lora_term_adapters
 
 FP8_MAX = tl.constexpr(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
 
@@ -32,7 +32,9 @@ def moe_epilogue(
     lora_u_rows,  # [BM] pointers to each row's t = x @ A[e].T (LORA), row = slot
     lora_b_ptr,  # this expert's B[e] (W's rows, rank) (LORA)
     lora_rank, stride_lbn, stride_lbr, lora_scale,
-    LORA: tl.constexpr, LORA_R: tl.constexpr, PRECISION: tl.constexpr,
+    lora_adapter_rows,  # [BM] pointers to each row's adapter index, int32, -1 for none (LORA_ADAPTERS)
+    lora_num_adapters, stride_lbl,  # LORA_ADAPTERS: the stacked adapters' count and B's adapter stride
+    LORA: tl.constexpr, LORA_R: tl.constexpr, LORA_ADAPTERS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Up GEMM (GATED): store act((w * x) @ W1 + b1) (the weight scales the input, not the bias),
     QUANT_OUT as fp8 codes and one scale per 1 x GROUP_OUT group (``per_token_group_quant_fp8``);
@@ -40,17 +42,30 @@ def moe_epilogue(
     columns, then up columns at + N, whatever W1's row order), which training's backward reads;
     down GEMM: store w * (h @ W2 + b2). Up biases sit at + N (INTERLEAVED: + 1). LORA: x @ W
     becomes x @ W + lora_scale * t @ B[e].T first (``lora_dot``; gate and up rows of B in W1's row
-    order), which SAVE_PRE saves as the pre-activation."""
+    order), which SAVE_PRE saves as the pre-activation. LORA_ADAPTERS: B is one of several stacked
+    adapters, each row's its own (``lora_term_adapters``)."""
     if LORA:
         if GATED and MUL:
             gate_rows = offs_n * (1 + INTERLEAVED)  # [BN] rows of W1 (and B1)
+            up_rows = gate_rows + (1 if INTERLEAVED else N)
+        else:
+            gate_rows = offs_n
+            up_rows = offs_n
+        if LORA_ADAPTERS:
+            adapters = tl.load(lora_adapter_rows, mask=mask_m, other=-1)  # [BM]
+            acc = lora_term_adapters(acc, lora_u_rows, adapters, mask_m, lora_b_ptr, gate_rows, mask_n, lora_rank,
+                                     lora_num_adapters, stride_lbl, stride_lbr, stride_lbn, lora_scale, LORA_R,
+                                     PRECISION)
+            if GATED and MUL:
+                up = lora_term_adapters(up, lora_u_rows, adapters, mask_m, lora_b_ptr, up_rows, mask_n, lora_rank,
+                                        lora_num_adapters, stride_lbl, stride_lbr, stride_lbn, lora_scale, LORA_R,
+                                        PRECISION)
+        else:
             acc = lora_term(acc, lora_u_rows, mask_m, lora_b_ptr, gate_rows, mask_n, lora_rank, stride_lbr,
                             stride_lbn, lora_scale, LORA_R, PRECISION)
-            up = lora_term(up, lora_u_rows, mask_m, lora_b_ptr, gate_rows + (1 if INTERLEAVED else N), mask_n,
-                           lora_rank, stride_lbr, stride_lbn, lora_scale, LORA_R, PRECISION)
-        else:
-            acc = lora_term(acc, lora_u_rows, mask_m, lora_b_ptr, offs_n, mask_n, lora_rank, stride_lbr, stride_lbn,
-                            lora_scale, LORA_R, PRECISION)
+            if GATED and MUL:
+                up = lora_term(up, lora_u_rows, mask_m, lora_b_ptr, up_rows, mask_n, lora_rank, stride_lbr,
+                               stride_lbn, lora_scale, LORA_R, PRECISION)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + slots, mask=mask_m, other=0.0)  # [BM]
     if GATED:
