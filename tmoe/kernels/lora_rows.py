@@ -15,25 +15,32 @@ from tmoe.kernels.grad_config import InputTiles
 from tmoe.kernels.lora import padded_rank
 from tmoe.kernels.moe_gemm import invoke_moe_gemm
 from tmoe.kernels.moe_grad_input import sorted_input_grad
-from tmoe.kernels.operands import Routing
+from tmoe.kernels.operands import DirectRouting, Routing
+from tmoe.kernels.route import Route
 
 TILE_M = 16  # rows per tile of the adapters' row GEMMs (r columns, a K loop over the hidden or intermediate size)
 
 
 def lora_token_rows(a: torch.Tensor, factor: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *,
-                    expert_map: torch.Tensor | None = None, num_local_experts: int | None = None) -> torch.Tensor:
+                    expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
+                    slots: bool = False) -> torch.Tensor:
     """(M * topk, r) in a's dtype: row s = a[s // topk] @ factor[e].T for slot s of local expert e.
 
     a: (M, K); factor: (E_local, r, K), a's dtype, any strides (a transposed view of B (E, K, r)
     too); topk_ids (M, topk) with ``num_experts``, ``expert_map`` and ``num_local_experts`` as the
     layer's. The slots are aligned by expert at ``TILE_M`` rows of their own: the GEMM has r columns
     and a long K loop, so its parallelism is its row blocks. Rows of slots no local expert computes
-    are zero or not written (nothing reads them)."""
+    are zero or not written (nothing reads them). ``slots`` (decode sizes, as the layer's slot
+    route): no align, one row block per slot."""
     m, topk = topk_ids.shape
     out = torch.empty((m * topk, factor.shape[1]), dtype=a.dtype, device=a.device)
+    cfg = GemmConfig(TILE_M, padded_rank(factor.shape[1]), 32 if a.dtype == torch.float32 else 64)
+    if slots:
+        invoke_moe_gemm(a, factor, out, cfg, gated=False, route=Route.SLOTS,
+                        routing=DirectRouting(topk_ids, num_experts, expert_map, topk))
+        return out
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, TILE_M, num_experts, expert_map,
                                                                    num_local_experts=num_local_experts)
-    cfg = GemmConfig(TILE_M, padded_rank(factor.shape[1]), 32 if a.dtype == torch.float32 else 64)
     invoke_moe_gemm(a, factor, out, cfg, gated=False,
                     routing=Routing(sorted_ids, expert_ids, num_post_padded, m * topk, topk))
     return out

@@ -48,10 +48,10 @@ def lora_rows(lora: LoraWeights, a: torch.Tensor, call: ExpertsCall, gemm: Calla
     if lora.token_adapters is not None:
         vids = adapter_expert_ids(ids, lora.token_adapters, call.num_experts, call.expert_map, e_local)
         t = lora_token_rows(a, lora.a.flatten(0, 1), vids.reshape(-1, 1) if slot_rows else vids,
-                            lora.a.shape[0] * e_local)
+                            lora.a.shape[0] * e_local, slots=call.route is Route.SLOTS)
         return LoraOperands(t, lora.b, lora.scale, slot_adapters(lora.token_adapters, ids.shape[1]))
     t = lora_token_rows(a, lora.a, ids.reshape(-1, 1) if slot_rows else ids, call.num_experts,
-                        expert_map=call.expert_map, num_local_experts=e_local)
+                        expert_map=call.expert_map, num_local_experts=e_local, slots=call.route is Route.SLOTS)
     return LoraOperands(t, lora.b, lora.scale)
 
 
