@@ -246,6 +246,23 @@ def test_remembered_numpy_dtypes_are_the_interpreters():
     assert got == want + want
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's overflow sanitizer")
+def test_launches_run_without_the_overflow_sanitizer(monkeypatch):
+    """tmoe's launches skip the interpreter's int32 overflow checks (a GPU build runs none without
+    debug=True) and give the reference's results; other kernels keep the checks."""
+    from triton.language import semantic
+    from triton.runtime import interpreter as interp
+
+    checks, check = [], semantic.TritonSemantic.binary_op_sanitize_overflow_impl
+    monkeypatch.setattr(semantic.TritonSemantic, "binary_op_sanitize_overflow_impl",
+                        lambda self, *a: checks.append(self.builder.options.sanitize_overflow) or check(self, *a))
+    p = make_problem(MoEShape(9, 4, 64, 64, 2), torch.float32, "uniform", seed=0)
+    out = tmoe.fused_experts(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids)
+    assert_close(out, moe_reference(p.x, p.w1, p.w2, p.topk_weights, p.topk_ids), torch.float32)
+    assert checks and not any(checks), "a launch checked int32 overflow"
+    assert interp.interpreter_builder.options.sanitize_overflow
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's reductions")
 def test_sort_reduces_its_xors_with_numpy(monkeypatch):
     """The align's sorting program (``tl.sort``: xor reductions in every compare-and-swap) runs no

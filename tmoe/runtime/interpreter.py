@@ -34,7 +34,10 @@ the unpatched interpreter still shows each fault, so a fixed one is noticed and 
   again (``inspect.getmembers`` of three modules), about a fifth of an interpreted layer call; a
   helper whose modules the launch has already patched skips it. ``tl.xor_sum`` (inside
   ``tl.sort``) is reduced by numpy instead of one element at a time in Python, and the numpy
-  dtype of a Triton type is remembered instead of rebuilt at every call.
+  dtype of a Triton type is remembered instead of rebuilt at every call. The interpreter checks
+  every int32 add, sub and mul for overflow (``sanitize_overflow``, about a fifth of an
+  interpreted layer call); a GPU build checks only with ``debug=True``: tmoe's launches run
+  without the check, as on a GPU.
 * The interpreter is not thread-safe (it patches ``triton.language`` for each launch): tmoe's
   interpreted launches take one process-wide lock, so threaded callers get right answers.
 
@@ -46,6 +49,7 @@ scalar indexing fails on numpy >= 2.4 (3.7 to 3.9 do not): the ``test`` extra pi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import os
@@ -181,8 +185,11 @@ def _build_patches() -> list[tuple[object, str, object]]:
             found = np_dtypes[scalar] = original_np_dtype(scalar)
         return found
 
+    # the overflow sanitizer checks every int32 add, sub and mul in numpy (a fifth of an interpreted
+    # layer call); compiled kernels run without it unless built with debug=True
+    options = dataclasses.replace(interp.interpreter_builder.options, sanitize_overflow=False)
     builder = interp.InterpreterBuilder
-    return [(interp, "_convert_float", convert_float), (builder, "create_dot", create_dot),
+    return [(interp.interpreter_builder, "options", options), (interp, "_convert_float", convert_float), (builder, "create_dot", create_dot),
             (triton.runtime.jit.JITFunction, "__call__", call_jit_function), (interp, "_patch_lang", patch_lang),
             (interp.ReduceOps, "apply_impl", reduce), (interp, "_get_np_dtype", np_dtype)] + [
         (builder, name, boolean(getattr(builder, name))) for name in _CMP_OPS
