@@ -30,7 +30,7 @@ import triton
 
 import tmoe
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.lora import adapter_expert_ids
+from tmoe.kernels.lora_slots import lora_slots
 from tmoe.tools.results import append_lines, git_commit
 
 CASES = {"qwen3": (128, 768, 2048, 8), "mixtral": (8, 14336, 4096, 2)}  # E, N, K, topk
@@ -54,7 +54,7 @@ def vllm_lora_addon(op, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     and a check (the largest error of one call against torch, so a peer that skipped its work shows)."""
     m, topk = topk_ids.shape
     num_adapters, e, _, k = adapters["w1_lora_a"].shape
-    vids = adapter_expert_ids(topk_ids, lora_ids, e, None, e)
+    vids, _ = lora_slots(topk_ids, lora_ids, num_adapters, e)
     sorted_ids, vexp, ntpp = moe_align_block_size(vids, BLOCK_M, num_adapters * e)
     l = torch.arange(num_adapters, device=x.device)[:, None]
     expert_ids = torch.where(vexp[None, :] // e == l, vexp[None, :] % e, -1).to(torch.int32)  # (L, blocks)

@@ -89,22 +89,23 @@ def test_swigluoai_interleaved_and_int64_ids():
 
 
 def test_remote_experts_and_no_adapter_tokens_add_exactly_the_base():
-    """With an expert map, remote slots add exactly zero; tokens of adapter -1 get the base layer's
-    bits (the same call without adapters)."""
+    """With an expert map, remote slots add exactly zero; tokens of no adapter (an id outside [0,
+    L): -1, or past the stacked adapters) get the base layer's bits (the call without adapters)."""
     shape = MoEShape(11, 6, 48, 40, 2)
     p = make_problem(shape, torch.float32, "uniform", seed=7, device=DEVICE)
     emap, e_local = half_remote_expert_map(shape.e, DEVICE), (shape.e + 1) // 2
     w1, w2 = p.w1[:e_local].contiguous(), p.w2[:e_local].contiguous()
     adapters = stacked_adapters(3, e_local, 2 * shape.n, shape.n, shape.k, (8, 4), seed=7)
     ids = token_adapters(shape.m, 3, seed=7)
+    ids[ids == -1] = torch.tensor([3, -5], dtype=ids.dtype, device=DEVICE).repeat(shape.m)[: int((ids == -1).sum())]
     opts = dict(expert_map=emap, global_num_experts=shape.e)
     with torch.no_grad(), tmoe.override_route("sorted"):
         out = tmoe.fused_experts(p.x, w1, w2, p.topk_weights, p.topk_ids, lora_ids=ids, lora_scale=0.5, **adapters,
                                  **opts)
         base = tmoe.fused_experts(p.x, w1, w2, p.topk_weights, p.topk_ids, **opts)
-    assert_close(out, serving_reference(p.x, w1, w2, p.topk_weights, p.topk_ids, adapters, ids, 0.5, **opts),
-                 torch.float32)
-    none = ids == -1
+    assert_close(out, serving_reference(p.x, w1, w2, p.topk_weights, p.topk_ids, adapters, ids.where((ids >= 0) & (ids < 3), -1), 0.5,
+                                        **opts), torch.float32)
+    none = (ids < 0) | (ids >= 3)
     assert none.any() and torch.equal(out[none], base[none])
 
 

@@ -14,7 +14,7 @@ rows or columns (``moe_grad_weight``).
 
 Serving several adapters at once (vLLM's MoE-LoRA contract): the factors are stacked, A (L, E, r,
 C_in) and B (L, E, C_out, r), and each token names its adapter (or -1, none). The row GEMM then
-runs on virtual experts l * E + e (each slot's own adapter's A[l, e]: ``adapter_expert_ids``), and
+runs on virtual experts l * E + e (each slot's own adapter's A[l, e]: ``tmoe.kernels.lora_slots``), and
 the epilogue adds each row's term with its adapter's B[l, e] (``_details.lora_dot``)."""
 from __future__ import annotations
 
@@ -68,28 +68,6 @@ def lora_adapter_args(lora: LoraOperands | None, unused: torch.Tensor) -> dict:
         return dict(lora_adapter_ptr=unused, lora_num_adapters=1, stride_lbl=0, LORA_ADAPTERS=False)
     return dict(lora_adapter_ptr=lora.adapters, lora_num_adapters=lora.factor.shape[0],
                 stride_lbl=lora.factor.stride(0), LORA_ADAPTERS=True)
-
-
-def adapter_expert_ids(topk_ids: torch.Tensor, token_adapters: torch.Tensor, num_experts: int,
-                       expert_map: torch.Tensor | None, num_local_experts: int) -> torch.Tensor:
-    """(M, topk) int32 virtual expert ids l * E_local + e of each slot (e its local expert, l its
-    token's adapter), -1 where the token has no adapter or the expert is not local: the ids the
-    adapters' row GEMM aligns on, over A (L, E_local, r, C) viewed as (L * E_local, r, C).
-    On the device, no sync; ids outside [0, num_experts) count as not local."""
-    ids = topk_ids.long()
-    valid = (ids >= 0) & (ids < num_experts)
-    local = ids.clamp(0, num_experts - 1)
-    if expert_map is not None:
-        local = expert_map.long()[local]
-        valid &= (local >= 0) & (local < num_local_experts)
-    l = token_adapters.long()[:, None]
-    valid &= l >= 0
-    return torch.where(valid, l * num_local_experts + local, -1).to(torch.int32)
-
-
-def slot_adapters(token_adapters: torch.Tensor, topk: int) -> torch.Tensor:
-    """(M * topk,) int32: each slot's adapter (its token's), as the GEMM epilogue reads it."""
-    return token_adapters.to(torch.int32)[:, None].expand(-1, topk).reshape(-1)
 
 
 @dataclass(frozen=True)

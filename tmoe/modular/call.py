@@ -40,7 +40,7 @@ class LayerArgs(NamedTuple):
     run w + ``lora_scale`` * b @ a (None: 1.0) without forming it (``tmoe.kernels.lora``).
     Several adapters at once (serving, vLLM's MoE-LoRA contract): the factors stacked, (L, E, r1, K)
     / (L, E, 2N, r1) and (L, E, r2, N) / (L, E, K, r2), and ``lora_ids`` (M,) int32/int64 each
-    token's adapter in [0, L), -1 for none; forward only.
+    token's adapter in [0, L), -1 (or any id outside [0, L)) for none; forward only.
     """
 
     hidden_states: torch.Tensor

@@ -12,8 +12,9 @@ from tmoe.config import (
     use_direct_route, use_fused_route, use_grouped_route, use_slot_route,
 )
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.lora import LoraOperands, LoraWeights, adapter_expert_ids, slot_adapters
+from tmoe.kernels.lora import LoraOperands, LoraWeights
 from tmoe.kernels.lora_rows import lora_aligned_rows, lora_token_rows
+from tmoe.kernels.lora_slots import lora_slots
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales, operand_scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
@@ -37,7 +38,7 @@ def lora_rows(lora: LoraWeights, a: torch.Tensor, call: ExpertsCall, gemm: Calla
     lora.scale for the epilogue (``tmoe.kernels.lora``; ``block_m``: the grouped core's align block).
     The router weight is applied after the term. Stacked adapters (``lora.token_adapters``): t of
     each slot with its token's adapter, the row GEMM on virtual experts l * E_local + e
-    (``adapter_expert_ids``), and each slot's adapter for the epilogue."""
+    (``lora_slots``), and each slot's adapter for the epilogue."""
     rows = route.get("routing")
     if gemm is invoke_grouped_gemm:  # expert-sorted rows in, t in the same order
         t = lora_aligned_rows(a, lora.a.transpose(1, 2), rows.sorted_token_ids, rows.expert_ids,
@@ -46,10 +47,12 @@ def lora_rows(lora: LoraWeights, a: torch.Tensor, call: ExpertsCall, gemm: Calla
     ids, e_local = call.topk_ids, call.problem.num_local_experts
     slot_rows = rows is not None and rows.a_row_div == 1  # slot rows (the intermediate): each slot its own "token"
     if lora.token_adapters is not None:
-        vids = adapter_expert_ids(ids, lora.token_adapters, call.num_experts, call.expert_map, e_local)
+        num_adapters = lora.a.shape[0]
+        vids, adapters = lora_slots(ids, lora.token_adapters, num_adapters, call.num_experts, call.expert_map,
+                                    e_local)
         t = lora_token_rows(a, lora.a.flatten(0, 1), vids.reshape(-1, 1) if slot_rows else vids,
-                            lora.a.shape[0] * e_local, slots=call.route is Route.SLOTS)
-        return LoraOperands(t, lora.b, lora.scale, slot_adapters(lora.token_adapters, ids.shape[1]))
+                            num_adapters * e_local, slots=call.route is Route.SLOTS)
+        return LoraOperands(t, lora.b, lora.scale, adapters.reshape(-1))
     t = lora_token_rows(a, lora.a, ids.reshape(-1, 1) if slot_rows else ids, call.num_experts,
                         expert_map=call.expert_map, num_local_experts=e_local, slots=call.route is Route.SLOTS)
     return LoraOperands(t, lora.b, lora.scale)

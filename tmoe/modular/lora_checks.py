@@ -22,7 +22,7 @@ def check_lora(args: LayerArgs, e: int, w1_rows: int, n: int) -> tuple[tuple[int
     stacked adapters' count L (else 0), after checking them: each pair given together (on float,
     fp8 or low-bit experts: the adapters stay in hidden_states' dtype), hidden_states' dtype and
     device, w1's pair (E, r1, K) and (E, 2N, r1) (w1's rows), w2's (E, r2, N) and (E, K, r2), with
-    ``lora_ids`` (M,) int32/int64 each stacked (L, ...) with one L, 1 <= r <= 128; ``lora_scale``
+    ``lora_ids`` (M,) int32/int64 contiguous each stacked (L, ...) with one L, 1 <= r <= 128; ``lora_scale``
     a finite float, only with an adapter."""
     x = args.hidden_states
     k = x.shape[1]
@@ -57,7 +57,7 @@ def check_lora(args: LayerArgs, e: int, w1_rows: int, n: int) -> tuple[tuple[int
     if ids is not None:
         if not any(ranks):
             raise ValueError("lora_ids was given without an adapter (w1_lora_a/b or w2_lora_a/b)")
-        check_tensor("lora_ids", ids, dtypes=INDEX_DTYPES, ndim=1, device=x.device)
+        check_tensor("lora_ids", ids, dtypes=INDEX_DTYPES, ndim=1, device=x.device, contiguous=True)
         check_shape("lora_ids", ids, (x.shape[0],))
         if stacked[0] < 1:
             raise ValueError("the stacked adapters (w1_lora_a ...) must hold at least one adapter (L >= 1)")
