@@ -44,6 +44,7 @@ CASES = [
     Case("swigluoai-interleaved", activation="swigluoai", options=dict(gate_up_interleaved=True)),
     Case("relu2_no_mul", activation="relu2_no_mul", routing="out_of_range"),
     Case("weight-on-input", shape=MoEShape(9, 4, 48, 40, 1), options=dict(apply_router_weight_on_input=True)),
+    Case("bf16", dtype=torch.bfloat16),  # a half-precision rank-deep dot (the scale applied in float32)
     Case("recomputed", save_preactivation=False),
     Case("recomputed-swigluoai-interleaved", activation="swigluoai", options=dict(gate_up_interleaved=True),
          save_preactivation=False),

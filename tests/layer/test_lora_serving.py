@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import tmoe
-from tmoe.reference import moe_reference
+from tmoe.reference import dequantize_fp8_reference, dequantize_int_reference, moe_reference
 from tmoe.testing import assert_close
 from tmoe.testing.strategies import MoEShape, half_remote_expert_map, make_problem
+from tmoe.testing.tolerance import Tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPE = MoEShape(13, 4, 48, 40, 2)
@@ -107,6 +108,35 @@ def test_remote_experts_and_no_adapter_tokens_add_exactly_the_base():
                                         **opts), torch.float32)
     none = (ids < 0) | (ids >= 3)
     assert none.any() and torch.equal(out[none], base[none])
+
+
+@pytest.mark.parametrize("base", ["int4", "fp8_block"])
+def test_stacked_adapters_on_quantized_experts(base):
+    """Weight-only int4 (zero points) and block-fp8 experts serve stacked adapters: the reference on
+    the dequantized weights plus each token's adapter (fp8: the adapters read the rows before their
+    quantization, so the reference quantizes the base's input alone)."""
+    shape = MoEShape(11, 4, 64 if base == "int4" else 128, 128, 2)  # block fp8: N a multiple of the 128 group
+    p = make_problem(shape, torch.float32 if base == "int4" else torch.bfloat16, "uniform", seed=17, device=DEVICE)
+    adapters = stacked_adapters(3, shape.e, 2 * shape.n, shape.n, shape.k, (8, 8), seed=17, dtype=p.x.dtype)
+    ids = token_adapters(shape.m, 3, seed=17)
+    if base == "int4":
+        (q1, s1, z1), (q2, s2, z2) = (tmoe.quantize_weight_int4(w, 32, zero_point=True) for w in (p.w1, p.w2))
+        kw = dict(quant_config=tmoe.FusedMoEQuantConfig(weight_dtype="int4", group_size=32), w1_scale=s1, w2_scale=s2,
+                  w1_zp=z1, w2_zp=z2)
+        d1, d2 = dequantize_int_reference(q1, s1, z1, 32, 4), dequantize_int_reference(q2, s2, z2, 32, 4)
+        with torch.no_grad():
+            out = tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, lora_ids=ids, **adapters, **kw)
+        assert_close(out, serving_reference(p.x, d1, d2, p.topk_weights, p.topk_ids, adapters, ids, 1.0),
+                     torch.float32)
+        return
+    (q1, s1), (q2, s2) = (tmoe.quantize_weight_per_block_fp8(w.float(), (128, 128)) for w in (p.w1, p.w2))
+    qc = tmoe.FusedMoEQuantConfig(torch.float8_e4m3fn, block_shape=(128, 128))
+    with torch.no_grad():
+        out = tmoe.fused_experts(p.x, q1, q2, p.topk_weights, p.topk_ids, lora_ids=ids, quant_config=qc, w1_scale=s1,
+                                 w2_scale=s2, **adapters)
+    d1, d2 = dequantize_fp8_reference(q1, s1, (128, 128)), dequantize_fp8_reference(q2, s2, (128, 128))
+    ref = serving_reference(p.x.float(), d1, d2, p.topk_weights, p.topk_ids, adapters, ids, 1.0)
+    assert_close(out, ref, Tolerance(rel=6e-2, atol=6e-2, rtol=0.2))  # fp8 activations against float64
 
 
 def test_adapters_rewritten_in_place_are_read_at_the_next_call():

@@ -35,7 +35,9 @@ def lora_term(
                  mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [R, BN]
     # the MMA accumulates onto the tile in place: a separate [BM, BN] product beside acc spills registers
     # at the grouped core's 128 x 256 tiles (STACK 592 bytes on sm_90)
-    return tl.dot((u * scale).to(u.dtype), lt, acc, input_precision=PRECISION)
+    # scale * u in float32, then rounded (a half-precision u times the scale promotes to float32 on a GPU
+    # too; the interpreter takes a float scale as a constant of u's dtype, which it cannot build for bf16)
+    return tl.dot((u.to(tl.float32) * scale).to(u.dtype), lt, acc, input_precision=PRECISION)
 
 
 @triton.jit
