@@ -82,6 +82,20 @@ def test_readme_blocks_run(monkeypatch):
             raise AssertionError(f"README.md's python block at line {line} raised {type(err).__name__}: {err}") from err
 
 
+def test_lora_doc_blocks_run_after_the_quickstart(monkeypatch):
+    """docs/lora.md's blocks (training one adapter, serving several) run with the README's
+    Quickstart names, as the doc says."""
+    monkeypatch.chdir(ROOT)
+    namespace = {"__name__": "__readme__"}
+    line, code, _ = python_blocks(README.read_text())[0]
+    exec(compile(code, f"README.md:{line}", "exec"), namespace)
+    lora_doc = ROOT / "docs" / "lora.md"
+    blocks = python_blocks(lora_doc.read_text())
+    assert len(blocks) >= 2, "docs/lora.md shows training one adapter and serving several"
+    for line, code, _ in blocks:
+        exec(compile(code, f"docs/lora.md:{line}", "exec"), namespace)
+
+
 def test_skipped_blocks_say_why():
     """A skipped block is still Python, and its comment gives a reason."""
     text = README.read_text()
