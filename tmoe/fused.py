@@ -10,7 +10,7 @@ import torch
 from tmoe.modular import KernelSpec, NoEPPrepareAndFinalize, TritonExperts, build
 from tmoe.modular.call import LayerArgs
 from tmoe.kernels.checks import boolean
-from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, needs_grad
+from tmoe.modular.checks import check_no_grad_inplace, check_no_overlap, low_bit_needs_saved_preactivation, needs_grad
 from tmoe.modular.quant_config import FusedMoEQuantConfig
 
 _NO_QUANT = FusedMoEQuantConfig()
@@ -91,6 +91,8 @@ def run_layer_op(args: LayerArgs, spec: KernelSpec, inplace: bool, save_preactiv
             spec.check_trainable(args)
         if save_preactivation and spec.saves_preactivation:
             return torch.ops.tmoe.modular_forward_train(*args, *spec_args)[0]
+        if spec.quant.weight_dtype is not None and not torch.compiler.is_compiling():  # compiled: the op's setup
+            raise NotImplementedError(low_bit_needs_saved_preactivation(spec.quant.weight_dtype))
     return torch.ops.tmoe.modular_forward(*args, *spec_args)
 
 

@@ -121,6 +121,14 @@ def _grad_through_fp8():
                               w1_scale=s1, w2_scale=s2)
 
 
+def _grad_through_int4_recomputed():
+    p = _p()
+    (q1, s1, _), (q2, s2, _) = (tmoe.quantize_weight_int4(w, 32) for w in (p.w1, p.w2))
+    qc = tmoe.FusedMoEQuantConfig(weight_dtype="int4", group_size=32)
+    return tmoe.fused_experts(p.x.clone().requires_grad_(), q1, q2, p.topk_weights, p.topk_ids, quant_config=qc,
+                              w1_scale=s1, w2_scale=s2, save_preactivation=False)
+
+
 def _router_logits_mismatch():
     layer = tmoe.FusedMoE(4, K, N, 2, router=False, dtype=torch.float32, device=DEVICE)
     return layer(torch.randn(3, K, device=DEVICE), router_logits=torch.randn(3, 5, device=DEVICE))
@@ -273,6 +281,8 @@ ROWS = [
         NotImplementedError, "'batched' PrepareAndFinalize with 'batched_triton' experts has no backward"),
     Row("backward-fp8", _grad_through_fp8, NotImplementedError,
         r"quantized expert weights \(float8_e4m3fn\) cannot be trained"),
+    Row("backward-low-bit-recomputed", _grad_through_int4_recomputed, NotImplementedError,
+        r"frozen int4 experts read the forward's saved pre-activation: keep save_preactivation=True"),
     Row("router_logits-experts", _router_logits_mismatch, ValueError, r"router_logits must be \(tokens=3, num_experts=4\)"),
     Row("fusedmoe-topk", lambda: tmoe.FusedMoE(4, K, N, 5), ValueError, "topk must be in"),
     Row("chunk_size-zero", _modular(tmoe.NoEPPrepareAndFinalize, tmoe.TritonExperts, 0), ValueError, "chunk_size"),

@@ -131,6 +131,15 @@ SCRIPT = textwrap.dedent("""
         with tmoe.override_route(route):
             tmoe.fused_experts(train[0], p.w1, p.w2, p.topk_weights, p.topk_ids, lora_scale=2.0,
                                **lora).sum().backward()
+    # QLoRA on frozen low-bit experts: g's and dX's GEMMs dequantize the codes in their K loops
+    q1, s1, z1 = tmoe.quantize_weight_int4(p.w1.float(), 32)
+    q2, s2, z2 = tmoe.quantize_weight_int4(p.w2.float(), 32)
+    int4 = dict(quant_config=tmoe.FusedMoEQuantConfig(weight_dtype="int4", group_size=32), w1_scale=s1.bfloat16(),
+                w2_scale=s2.bfloat16(), w1_zp=z1, w2_zp=z2)
+    tmoe.fused_experts(train[0], q1, q2, p.topk_weights, p.topk_ids, **int4, **lora).sum().backward()
+    (m1, e1), (m2, e2) = tmoe.quantize_weight_mxfp4(p.w1.float()), tmoe.quantize_weight_mxfp4(p.w2.float())
+    mxfp4 = dict(quant_config=tmoe.FusedMoEQuantConfig(weight_dtype="mxfp4", group_size=32), w1_scale=e1, w2_scale=e2)
+    tmoe.fused_experts(train[0], m1, m2, train[3], p.topk_ids, **mxfp4).sum().backward()
     # several adapters served at once (8 of rank 16, stacked; each token its own or none)
     stacked = dict(w1_lora_a=(8, 4, 16, 256), w1_lora_b=(8, 4, 256, 16), w2_lora_a=(8, 4, 16, 128),
                    w2_lora_b=(8, 4, 256, 16))

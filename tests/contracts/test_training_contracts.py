@@ -156,12 +156,16 @@ def _frozen_quantized(scheme: str):
 
 @pytest.mark.parametrize("scheme", ["fp8", "int4", "int8", "mxfp4"])
 def test_frozen_quantized_experts_refused_when_the_forward_records(scheme, monkeypatch):
-    """Frozen experts in a scheme the backward cannot dequantize, x requiring grad (a trainable
-    layer in front): refused at the forward, before any launch, not at backward() after it ran."""
+    """Frozen experts whose backward cannot run, x requiring grad (a trainable layer in front):
+    per-channel fp8 (the backward dequantizes block fp8 only), and low-bit codes without the saved
+    pre-activation (their backward reads it); refused at the forward, before any launch, not at
+    backward() after it ran."""
     (x, w1q, w2q, tw, ids), kw = _frozen_quantized(scheme)
-    name = "float8_e4m3fn" if scheme == "fp8" else scheme
+    match = r"frozen quantized experts \(float8_e4m3fn\) are not supported"
+    if scheme != "fp8":
+        kw, match = dict(kw, save_preactivation=False), rf"frozen {scheme} experts read the forward's saved"
     _no_launch(monkeypatch)
-    with pytest.raises(NotImplementedError, match=rf"frozen quantized experts \({name}\) are not supported"):
+    with pytest.raises(NotImplementedError, match=match):
         tmoe.fused_experts(x, w1q, w2q, tw, ids, **kw)
     monkeypatch.undo()
     with torch.no_grad():  # inference runs
@@ -204,13 +208,14 @@ def _compiled_batched_with_grad():
 
 def _compiled_frozen_int4():
     (x, w1q, w2q, tw, ids), kw = _frozen_quantized("int4")
+    kw = dict(kw, save_preactivation=False)  # the backward of frozen low-bit experts reads the saved pre-activation
     return torch.compile(lambda *a: tmoe.fused_experts(*a, **kw), fullgraph=True)(x, w1q, w2q, tw, ids)
 
 
 @pytest.mark.parametrize("call, match", [
     (_compiled_wrong_shape, r"^w2 must have shape \(4, 64, 64\), got \(4, 63, 64\)"),
     (_compiled_batched_with_grad, r"^the 'batched' PrepareAndFinalize with 'batched_triton' experts has no backward"),
-    (_compiled_frozen_int4, r"^gradients through frozen quantized experts \(int4\)"),
+    (_compiled_frozen_int4, r"^gradients through frozen int4 experts read the forward's saved pre-activation"),
 ], ids=["fake-check", "no-backward", "frozen-int4"])
 def test_compiled_refusals_end_in_tmoe_message(call, match, monkeypatch):
     """Under torch.compile(fullgraph=True) the user reads tmoe's error, not dynamo's "Observed

@@ -101,7 +101,7 @@ def test_frozen_fp8_experts_recompute():
                              quant_config=qc, w1_scale=s1, w2_scale=s2)
     assert out.grad_fn.name() == "GeneratedBackwardFor_tmoe_modular_forward_defaultBackward", out.grad_fn.name()
     spec = tmoe.FusedMoEModularKernel(tmoe.NoEPPrepareAndFinalize(), tmoe.TritonExperts(qc)).spec.as_args()
-    with pytest.raises(ValueError, match="float weights"):
+    with pytest.raises(ValueError, match="float activations"):
         torch.ops.tmoe.modular_forward_train(*args._replace(w1=q1, w2=q2, w1_scale=s1, w2_scale=s2), *spec)
 
 

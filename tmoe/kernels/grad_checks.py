@@ -25,20 +25,21 @@ def check_first_order() -> None:
 def check_grad_act(
     grad_out: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
     sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
-    w1_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, activation: Activation,
+    w1_bias: torch.Tensor | None, w2_bias: torch.Tensor | None, activation: Activation, codes_per_byte: int = 1,
 ) -> None:
     """``moe_grad_act``'s operands against each other: grad_out like x (M, K); w2 (E, K, N) and w1
     (E, 2N, K) (N rows for a *_no_mul activation); router weights (M, topk); biases (E, 2N) and
-    (E, K); the align's int32 outputs; all on x's device (weight dtypes: ``BlockScales.of``)."""
+    (E, K); the align's int32 outputs; all on x's device (weight dtypes: ``BlockScales.of``).
+    ``codes_per_byte`` 2: 4-bit weights, their last dimension packed (N / 2, K / 2)."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=2)
     dev = x.device
     check_tensor("grad_out", grad_out, dtypes=(x.dtype,), device=dev)
     check_shape("grad_out", grad_out, tuple(x.shape))
     check_tensor("w1", w1, ndim=3, device=dev)
     check_tensor("w2", w2, ndim=3, device=dev)
-    e, n, k = w2.shape[0], w2.shape[2], x.shape[1]
-    check_shape("w2", w2, (e, k, n))
-    check_shape("w1", w1, (e, activation.rows_per_n * n, k))
+    e, n, k = w2.shape[0], w2.shape[2] * codes_per_byte, x.shape[1]
+    check_shape("w2", w2, (e, k, w2.shape[2]))
+    check_shape("w1", w1, (e, activation.rows_per_n * n, k // codes_per_byte))
     check_router_weights(topk_weights, x.shape[0], dev)
     check_align_outputs(sorted_ids, expert_ids, num_post_padded, dev)
     for name, bias, cols in (("w1_bias", w1_bias, w1.shape[1]), ("w2_bias", w2_bias, k)):

@@ -2,7 +2,8 @@
 that pick them live in ``tmoe.config.backward``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,14 @@ class InputTiles:
     num_warps: int = 8
     num_stages: int = 4
     tma: bool = True
+
+    LOW_BIT_BLOCK_N: ClassVar[int] = 128
+
+    def for_low_bit(self) -> InputTiles:
+        """The tiles with frozen low-bit weights, whose codes are gathered and dequantized per element
+        in registers: at most ``LOW_BIT_BLOCK_N`` columns (Triton 3.9's sm_90 build of the 256-column
+        tile with a LoRA term spilled 144-232 bytes of stack)."""
+        return replace(self, block_n=min(self.block_n, self.LOW_BIT_BLOCK_N))
 
 
 @dataclass(frozen=True)

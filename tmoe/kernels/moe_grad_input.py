@@ -26,12 +26,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.common import dequant_block
+from tmoe.kernels._details.dequant import dequant_gather
 from tmoe.kernels._details.lora_dot import lora_term
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.grad_config import InputTiles
 from tmoe.kernels.lora import LoraOperands, padded_rank
-from tmoe.kernels.operands import BlockScales, scale_strides
+from tmoe.kernels.operands import BlockScales, WeightScales, codes_per_byte, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.runtime.device import persistent_programs, sm_count
@@ -58,17 +59,20 @@ def _moe_grad_input_kernel(
     num_post_padded_ptr,  # [1] int32
     grad_slots_ptr,  # [num_slots, K] out (SORTED_OUT: [P, K], aligned rows)
     grad_weights_ptr,  # [num_slots] float32 out, zero-filled by the launcher (ROUTER_GRAD)
-    s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s)
+    s1_ptr,  # [E, cdiv(W1_ROWS, SCALE_R), cdiv(K, SCALE_C)] float32 (FP8_W: w1 = q * s); W_QUANT: group scales
     lora_u_ptr,  # LORA: [P or num_slots (LORA_SLOT_ROWS), rank] each row's u = d @ B[e]
     lora_l_ptr,  # LORA: [E, K, rank] (A[e], transposed): the epilogue adds lora_scale * u @ A[e]
     lora_rank, stride_lum, stride_lle, stride_llk, stride_llr, lora_scale,
     num_slots, W1_ROWS, K, num_parts,
     stride_hm, stride_w1e, stride_w1r, stride_w1k, stride_sm, stride_pm, stride_s1e, stride_s1r, stride_s1c,
+    zp_ptr,  # W_QUANT with HAS_ZP: zero points [E, W1_ROWS (int4: / 2), K // GROUP_K] uint8
+    stride_zpe, stride_zpr, stride_zpc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     PRECISION: tl.constexpr, FP8_W: tl.constexpr, SCALE_R: tl.constexpr, SCALE_C: tl.constexpr,
     GROUP_M: tl.constexpr, TMA: tl.constexpr, ROUTER_GRAD: tl.constexpr, SORTED_OUT: tl.constexpr,
     SKIP_REMOTE: tl.constexpr, NUM_PROGRAMS: tl.constexpr, LORA: tl.constexpr, LORA_R: tl.constexpr,
-    LORA_SLOT_ROWS: tl.constexpr, EXPERT_BLOCK: tl.constexpr,
+    LORA_SLOT_ROWS: tl.constexpr, EXPERT_BLOCK: tl.constexpr, W_QUANT: tl.constexpr, GROUP_K: tl.constexpr,
+    HAS_ZP: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(K, BLOCK_N)
     num_valid_m = tl.load(num_post_padded_ptr) // BLOCK_M
@@ -113,11 +117,16 @@ def _moe_grad_input_kernel(
                 dh = tl.load(grad_h_src + rows[:, None] * stride_hm + offs_r[None, :], mask=mask_r[None, :],
                              other=0.0)  # [BM, BR]
                 mask_w = mask_r[:, None] & mask_n[None, :]
-                w = tl.load(w_base + offs_n[None, :] * stride_w1k + offs_r[:, None] * stride_w1r, mask=mask_w,
-                            other=0.0)  # [BR, BN]
-                if FP8_W:  # frozen block-fp8 w1, dequantized in registers
-                    w = dequant_block(w, s_base, offs_r[:, None], offs_n[None, :], stride_s1r, stride_s1c, mask_w,
-                                      SCALE_R, SCALE_C, grad_h_src.dtype.element_ty)
+                if W_QUANT != "none":  # frozen low-bit w, its codes dequantized in registers (K packed)
+                    w = dequant_gather(w_base, offs_r[:, None], offs_n[None, :], mask_w, stride_w1r, stride_w1k,
+                                       s_base, stride_s1r, stride_s1c, zp_ptr + expert.to(tl.int64) * stride_zpe,
+                                       stride_zpr, stride_zpc, GROUP_K, W_QUANT, HAS_ZP, grad_h_src.dtype.element_ty)
+                else:
+                    w = tl.load(w_base + offs_n[None, :] * stride_w1k + offs_r[:, None] * stride_w1r, mask=mask_w,
+                                other=0.0)  # [BR, BN]
+                    if FP8_W:  # frozen block-fp8 w1, dequantized in registers
+                        w = dequant_block(w, s_base, offs_r[:, None], offs_n[None, :], stride_s1r, stride_s1c, mask_w,
+                                          SCALE_R, SCALE_C, grad_h_src.dtype.element_ty)
                 acc = tl.dot(dh, w, acc, input_precision=PRECISION)
         if LORA:  # the adapter's share: lora_scale * u @ A[e] (remote blocks store nothing)
             if LORA_SLOT_ROWS:
@@ -140,19 +149,24 @@ def _launch(
     scale: torch.Tensor | None, block_shape: tuple[int, int] | None, skip_remote: bool,
     partial: torch.Tensor | None = None, grad_weights: torch.Tensor | None = None,
     lora: LoraOperands | None = None, lora_slot_rows: bool = False, tile_m: int | None = None,
+    low_bit: WeightScales | None = None,
 ) -> None:
     """da = d @ w[e] per aligned row block into ``out``: rows = slots, or aligned rows when no
     ``partial`` is given (then no router-weight gradient either). ``scale``/``block_shape``: a
     frozen block-fp8 ``w``'s scales. ``skip_remote``: remote blocks (expert id -1) may be many (an
     expert map): they skip their K loop, and the tile loop does not flatten. ``lora``: the epilogue
     adds ``lora.scale * lora.u[row] @ lora.factor[e].T`` (factor (E, cols, r)), u's rows aligned
-    rows or, ``lora_slot_rows``, slots."""
+    rows or, ``lora_slot_rows``, slots. ``low_bit``: ``w`` holds frozen low-bit codes (C packed, as
+    stored) with their group scales and zero points, dequantized in the K loop."""
     p, (rows_w, cols) = d.shape[0], w.shape[1:]
+    if low_bit is not None:
+        cols *= codes_per_byte(low_bit.weight_dtype)
+        tiles = tiles.for_low_bit()
     if p == 0:
         return
     fp32 = d.dtype == torch.float32
     router_grad = partial is not None
-    if (gluon_grad_input is not None and lora is None and tile_m is None
+    if (gluon_grad_input is not None and lora is None and tile_m is None and low_bit is None
             and gluon_ready(d.device, "dx", num_slots / max(w.shape[0], 1))):
         engine = GemmConfig(block_m, tiles.block_n, tiles.block_r, num_warps=tiles.num_warps,
                             group_m=row_group(block_m * rows_w * d.element_size()))
@@ -163,14 +177,15 @@ def _launch(
             return
     tile_m = tile_m or block_m
     num_pid_m = cdiv(p, tile_m)
-    tma = tiles.tma and scale is None and tma_addressable(d) and tma_addressable(w)
+    tma = tiles.tma and scale is None and low_bit is None and tma_addressable(d) and tma_addressable(w)
     if tma:
         d_src = TensorDescriptor.from_tensor(d, [tile_m, tiles.block_r])
         w_src = TensorDescriptor.from_tensor(w, [1, tiles.block_r, tiles.block_n])
     else:
         d_src, w_src = d, w
     partial = partial if router_grad else out
-    s = scale if scale is not None else partial
+    s = scale if scale is not None else low_bit.scale if low_bit is not None else partial
+    zp = low_bit.zero_point if low_bit is not None and low_bit.zero_point is not None else None
     programs = persistent_programs(d.device, num_pid_m * cdiv(cols, tiles.block_n))
     if lora is not None:
         u, f = lora.u, lora.factor
@@ -182,6 +197,9 @@ def _launch(
            grad_weights if router_grad else out, s, *lora_ops,
            num_slots, rows_w, cols, partial.shape[1] if router_grad else 0,
            d.stride(0), *w.stride(), out.stride(0), partial.stride(0), *scale_strides(s),
+           zp if zp is not None else out, *(zp.stride() if zp is not None else (0, 0, 0)),
+           W_QUANT=low_bit.weight_dtype if low_bit is not None else "none",
+           GROUP_K=low_bit.group_size if low_bit is not None else 1, HAS_ZP=zp is not None,
            BLOCK_M=tile_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_r, PARTS_BLOCK=PARTS_BLOCK, EXPERT_BLOCK=block_m,
            PRECISION="ieee" if fp32 else "tf32", FP8_W=scale is not None,
            SCALE_R=block_shape[0] if block_shape else 1, SCALE_C=block_shape[1] if block_shape else 1,
@@ -189,7 +207,7 @@ def _launch(
            SORTED_OUT=not router_grad, SKIP_REMOTE=skip_remote, NUM_PROGRAMS=programs, LORA=lora is not None,
            LORA_R=padded_rank(lora.factor.shape[2]) if lora is not None else 16, LORA_SLOT_ROWS=lora_slot_rows,
            num_warps=tiles.num_warps,
-           num_stages=backward_stages(tiles.num_stages, fp32, scale is not None))
+           num_stages=backward_stages(tiles.num_stages, fp32, scale is not None or low_bit is not None))
 
 
 @with_interpreter_fixes
@@ -197,7 +215,7 @@ def sorted_input_grad(
     d: torch.Tensor, w: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
     num_post_padded: torch.Tensor, num_slots: int, *, block_m: int, weight_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None, tiles: InputTiles = InputTiles(), skip_remote: bool = True,
-    lora: LoraOperands | None = None, tile_m: int | None = None,
+    lora: LoraOperands | None = None, tile_m: int | None = None, low_bit: WeightScales | None = None,
 ) -> torch.Tensor:
     """da (P, C) in aligned-row order, d's dtype: da = d @ w[e] for each aligned row block of expert e.
 
@@ -212,12 +230,15 @@ def sorted_input_grad(
         lora: each row's da also takes ``lora.scale * u[slot] @ lora.factor[e].T`` (u (num_slots,
             r) by slot, factor (E_local, C, r): w's LoRA update scale * B @ A, with u = d @ B[e]).
         tile_m: rows per tile, a divisor of block_m (None: block_m).
+        low_bit: ``w`` is frozen low-bit codes, (E_local, R, C / 2) uint8 for 4-bit (C packed), with
+            their group scales and zero points (``WeightScales``), dequantized in the K loop.
 
     Rows at or past num_post_padded and rows of remote experts (expert id -1) are not written.
     """
-    out = torch.empty((d.shape[0], w.shape[2]), dtype=d.dtype, device=d.device)
+    cols = w.shape[2] * (codes_per_byte(low_bit.weight_dtype) if low_bit is not None else 1)
+    out = torch.empty((d.shape[0], cols), dtype=d.dtype, device=d.device)
     _launch(d, w, out, sorted_ids, expert_ids, num_post_padded, num_slots, block_m, tiles, weight_scale, block_shape,
-            skip_remote, lora=lora, lora_slot_rows=True, tile_m=tile_m)
+            skip_remote, lora=lora, lora_slot_rows=True, tile_m=tile_m, low_bit=low_bit)
     return out
 
 
@@ -227,7 +248,7 @@ def moe_grad_input(
     topk_ids: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor,
     num_experts: int, *, expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
     block_m: int, tiles: InputTiles, apply_router_weight_on_input: bool = False,
-    weight_scales: BlockScales | None = None, lora: LoraOperands | None = None,
+    weight_scales: BlockScales | WeightScales | None = None, lora: LoraOperands | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dL/dx (M, K) in grad_h's dtype, dL/dtopk_weights (M, topk) float32).
 
@@ -238,19 +259,23 @@ def moe_grad_input(
         num_experts, expert_map, num_local_experts: the forward's; slots no local expert
             computed get exactly zero gradient.
         apply_router_weight_on_input: the forward scaled the input by the router weight.
-        weight_scales: frozen block-fp8 w1 and its block scales (dequantized in the K loop).
+        weight_scales: frozen block-fp8 w1 and its block scales (``BlockScales``), or frozen low-bit
+            w1 codes (E_local, 2N, K / 2 for 4-bit) with their group scales (``WeightScales``); either
+            dequantized in the K loop.
         tiles: the tiles (the rule: ``tmoe.config.backward.input_tiles(M)``).
         lora: w1's LoRA update scale * B1 @ A1: u (P, r) = scale-free grad_h @ B1[e] in aligned rows,
             factor A1 transposed (E_local, K, r); each slot's dx takes ``lora.scale * u @ A1[e]``.
     """
     m, topk = topk_ids.shape
-    k = w1.shape[2]
+    low_bit = weight_scales if isinstance(weight_scales, WeightScales) else None
+    block = weight_scales if isinstance(weight_scales, BlockScales) else None
+    k = w1.shape[2] * (codes_per_byte(low_bit.weight_dtype) if low_bit is not None else 1)
     dev = grad_h.device
     grad_slots = torch.empty((m * topk, k), dtype=grad_h.dtype, device=dev)
     grad_weights = torch.zeros((m, topk), dtype=torch.float32, device=dev)
     _launch(grad_h, w1, grad_slots, sorted_ids, expert_ids, num_post_padded, m * topk, block_m, tiles,
-            weight_scales.w1_scale if weight_scales else None, weight_scales.block_shape if weight_scales else None,
-            expert_map is not None, partial, grad_weights, lora=lora)
+            block.w1_scale if block else None, block.block_shape if block else None,
+            expert_map is not None, partial, grad_weights, lora=lora, low_bit=low_bit)
     grad_x = torch.empty((m, k), dtype=grad_h.dtype, device=dev)
     moe_reduce(grad_slots.view(m, topk, k), topk_ids, num_experts,
                topk_weights if apply_router_weight_on_input else None, expert_map, grad_x,

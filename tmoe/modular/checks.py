@@ -214,19 +214,27 @@ def needs_grad(args: LayerArgs) -> bool:
 def check_recorded_call(args: LayerArgs, quant: FusedMoEQuantConfig) -> None:
     """A call autograd records, refused before any launch when its backward would be wrong or
     fail: a scale or zero point that requires grad (the backward gives them none, so it would stay
-    None without a word); frozen quantized experts other than block fp8 (the only scheme the
-    backward dequantizes)."""
+    None without a word); frozen per-tensor or per-token fp8 experts (the backward dequantizes
+    block fp8 and weight-only low-bit codes, which also need the saved pre-activation:
+    ``low_bit_needs_saved_preactivation``)."""
     for name in NO_GRADIENT:
         t = getattr(args, name)
         if t is not None and t.requires_grad:
             raise ValueError(f"{name} requires grad, but the layer's backward gives scales and zero points no "
                              f"gradient (its .grad would stay None): pass {name}.detach()")
-    if quant.weight_dtype is not None or (quant.quant_dtype is not None and quant.block_shape is None):
-        scheme = quant.weight_dtype or str(quant.quant_dtype).removeprefix("torch.")
+    if quant.quant_dtype is not None and quant.block_shape is None:
+        scheme = str(quant.quant_dtype).removeprefix("torch.")
         raise NotImplementedError(f"gradients through frozen quantized experts ({scheme}) are not supported yet "
-                                  "(block fp8 is), and this call records autograd (an input requires grad): run "
-                                  "the quantized layer under torch.no_grad() or torch.inference_mode(), or train "
-                                  "float experts")
+                                  "(block fp8 and weight-only int4/int8/mxfp4 are), and this call records autograd "
+                                  "(an input requires grad): run the quantized layer under torch.no_grad() or "
+                                  "torch.inference_mode(), or train float experts")
+
+
+def low_bit_needs_saved_preactivation(weight_dtype: str) -> str:
+    """The refusal of a recorded call on frozen low-bit experts whose forward does not save its
+    pre-activation (its backward reads it: the low-bit GEMMs of the backward are g's and dX's)."""
+    return (f"gradients through frozen {weight_dtype} experts read the forward's saved pre-activation: keep "
+            "save_preactivation=True (the default) and run TritonExperts behind NoEPPrepareAndFinalize (one device)")
 
 
 def check_trainable(args: LayerArgs, prepare_finalize: str, experts: str, quant_dtype: str | None,
@@ -251,12 +259,12 @@ def check_trainable(args: LayerArgs, prepare_finalize: str, experts: str, quant_
                                   "float weights, or freeze them (requires_grad_(False))")
 
 
-def saves_preactivation(prepare_finalize: str, experts: str, quantized: bool) -> bool:
+def saves_preactivation(prepare_finalize: str, experts: str, quantized_activations: bool) -> bool:
     """Whether a training call's forward can save its pre-activation for the backward (the layer op
     ``tmoe::modular_forward_train``): ``TritonExperts`` behind ``NoEPPrepareAndFinalize`` with float
-    weights (not ``quantized``: neither fp8 nor low-bit). Other trainable calls recompute it in the
-    backward."""
-    return (prepare_finalize, experts) == ("noep", "triton") and not quantized
+    activations (float or weight-only low-bit weights; not ``quantized_activations``: fp8). Other
+    trainable calls recompute it in the backward (frozen low-bit experts then refuse)."""
+    return (prepare_finalize, experts) == ("noep", "triton") and not quantized_activations
 
 
 def check_no_overlap(hidden_states: torch.Tensor) -> None:

@@ -136,7 +136,7 @@ class KernelSpec:
     @property
     def saves_preactivation(self) -> bool:
         """Whether a training call's forward can save its pre-activation (``saves_preactivation``)."""
-        return saves_preactivation(self.prepare_finalize, self.experts, self.quant.quant_name is not None)
+        return saves_preactivation(self.prepare_finalize, self.experts, self.quant.quant_dtype is not None)
 
 
 _NUM_LAYER_ARGS = len(LayerArgs._fields)

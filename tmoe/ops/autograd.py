@@ -13,9 +13,9 @@ from tmoe.kernels.gemm_args import stored_transposed
 from tmoe.kernels.grad_checks import check_first_order
 from tmoe.modular.alltoall import kept_slot_ids
 from tmoe.modular.call import LayerArgs
-from tmoe.modular.checks import check_layer_call
+from tmoe.modular.checks import check_layer_call, low_bit_needs_saved_preactivation
 from tmoe.modular.kernel import split_op_args
-from tmoe.ops import backward  # noqa: F401  (registers torch.ops.tmoe.moe_grad_*)
+from tmoe.ops import backward, collectives, lora_rows  # noqa: F401  (register the backward's ops)
 
 _INDEX = {name: i for i, name in enumerate(LayerArgs._fields)}
 
@@ -48,11 +48,16 @@ def _layer_setup(ctx, inputs: tuple, output: torch.Tensor, preact: torch.Tensor 
     # frozen block-fp8 experts (QLoRA-style): the backward dequantizes the weights in its kernels
     block_shape = spec.quant.block_shape if spec.quant.quant_dtype is not None else None
     ctx.block_shape = list(block_shape) if block_shape else None
+    # frozen weight-only low-bit experts (QLoRA): dX's and g's GEMMs dequantize the codes; the
+    # pre-activation is the forward's saved one (refused before any launch without it)
+    ctx.weight_dtype, ctx.group_size = spec.quant.weight_dtype, spec.quant.group_size
+    if ctx.weight_dtype is not None and preact is None:
+        raise NotImplementedError(low_bit_needs_saved_preactivation(ctx.weight_dtype))
     ctx.on_input = call.apply_router_weight_on_input
     ctx.lora_scale = 1.0 if call.lora_scale is None else call.lora_scale
     ctx.save_for_backward(call.hidden_states, call.w1, call.w2, call.topk_weights, call.topk_ids, call.expert_map,
                           call.w1_bias, call.w2_bias, call.w1_scale, call.w2_scale, preact, call.w1_lora_a,
-                          call.w1_lora_b, call.w2_lora_a, call.w2_lora_b)
+                          call.w1_lora_b, call.w2_lora_a, call.w2_lora_b, call.w1_zp, call.w2_zp)
 
 
 def _train_setup(ctx, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -67,11 +72,13 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
     from x), then the input and weight GEMMs. Weight gradients run only for weights that require
     grad (frozen experts skip them)."""
     check_first_order()
-    if ctx.scheme is not None and ctx.block_shape is None:
+    if ctx.scheme is not None and ctx.block_shape is None and ctx.weight_dtype is None:
         raise NotImplementedError(f"gradients through frozen quantized experts ({ctx.scheme}) are not supported yet "
-                                  "(block fp8 is): run the quantized layer under torch.no_grad(), or train float experts")
+                                  "(block fp8 and weight-only low-bit are): run the quantized layer under "
+                                  "torch.no_grad(), or train float experts")
     (x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, w1_scale, w2_scale, preact, a1, b1, a2,
-     b2) = ctx.saved_tensors
+     b2, w1_zp, w2_zp) = ctx.saved_tensors
+    low_bit = dict(weight_dtype=ctx.weight_dtype, group_size=ctx.group_size) if ctx.weight_dtype else {}
     problem, on_input, needs = ctx.problem, ctx.on_input, ctx.needs_input_grad
     act, e_local, num_experts = problem.activation, problem.num_local_experts, problem.num_experts
     num_local = e_local if expert_map is not None else None
@@ -108,7 +115,8 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
         activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
         gate_up_interleaved=gate_up_interleaved, apply_router_weight_on_input=on_input, w1_scale=w1_scale,
         w2_scale=w2_scale, block_shape=ctx.block_shape, preact=preact, w2_lora_u=u2, w2_lora_a=a2, lora_scale=scale,
-        w1_lora_t=t1 if preact is None else None, w1_lora_b=b1 if preact is None and a1 is not None else None)
+        w1_lora_t=t1 if preact is None else None, w1_lora_b=b1 if preact is None and a1 is not None else None,
+        **low_bit, **(dict(w2_zp=w2_zp) if low_bit else {}))
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
     expert_rows = dict(sorted_ids=sorted_ids, offsets=offsets, block_m=block_m, e_local=e_local, expert_map=expert_map)
     rows = dict(topk_weights=topk_weights, **expert_rows)
@@ -132,7 +140,8 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
             grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
             num_tokens_post_padded=num_post_padded, block_m=block_m, num_experts=num_experts, expert_map=expert_map,
             num_local_experts=num_local, apply_router_weight_on_input=on_input, w1_scale=w1_scale,
-            block_shape=ctx.block_shape, w1_lora_u=u1, w1_lora_a=a1, lora_scale=scale)
+            block_shape=ctx.block_shape, w1_lora_u=u1, w1_lora_a=a1, lora_scale=scale,
+            **low_bit, **(dict(w1_zp=w1_zp) if low_bit else {}))
         if ctx.group:  # each rank's tokens collect their slots' gradients from every rank's experts
             grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group)[:m].to(grad_x.dtype)
             grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)[:m]

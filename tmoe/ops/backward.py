@@ -9,8 +9,6 @@ computed by the autograd formula); each op picks its tiles inside its body and f
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tmoe.config.backward import act_tiles, grad_act_blocks, input_tiles, weight_tiles
 from tmoe.kernels.align import align_output_sizes, moe_align_block_size
@@ -18,14 +16,12 @@ from tmoe.kernels.checks import INDEX_DTYPES, check_shape, check_tensor
 from tmoe.kernels.activation import Activation
 from tmoe.kernels.grad_checks import check_grad_act, check_grad_input, check_grad_weight, check_preact
 from tmoe.kernels.lora import LoraOperands
-from tmoe.kernels.lora_rows import lora_aligned_rows as _lora_aligned_rows, lora_token_rows as _lora_token_rows
 from tmoe.kernels.moe_grad_act import moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_bias import moe_grad_bias as _grad_bias
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
 from tmoe.kernels.moe_grad_weight import moe_grad_weight as _grad_weight
-from tmoe.kernels.operands import BlockScales
+from tmoe.kernels.operands import BlockScales, WeightScales, check_low_bit_operand, codes_per_byte
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
-from tmoe.modular.distributed import all_gather_rows, reduce_scatter_rows
 
 
 @torch.library.custom_op("tmoe::moe_grad_align", mutates_args=())
@@ -59,6 +55,7 @@ def moe_grad_act(
     w1_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None, block_shape: list[int] | None = None,
     preact: torch.Tensor | None = None, w2_lora_u: torch.Tensor | None = None, w2_lora_a: torch.Tensor | None = None,
     lora_scale: float = 1.0, w1_lora_t: torch.Tensor | None = None, w1_lora_b: torch.Tensor | None = None,
+    weight_dtype: str | None = None, group_size: int = 0, w2_zp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h (P, 2N), inter (P, N), partial (P, parts) float32): see ``tmoe.kernels.moe_grad_act``;
     frozen block-fp8 w1/w2 come with their ``w1_scale``/``w2_scale`` and ``block_shape``;
@@ -67,16 +64,20 @@ def moe_grad_act(
     (``moe_lora_token_rows``) and ``w2_lora_a`` (E, r, N): g takes lora_scale * u @ a[e]. w1's
     adapter, when the pre-activation is recomputed (no ``preact``): ``w1_lora_t`` (M * topk, r) =
     x @ w1_lora_a[e].T per slot and ``w1_lora_b`` (E, 2N, r): the recomputed x @ w1.T takes
-    lora_scale * t @ b[e].T."""
+    lora_scale * t @ b[e].T. Frozen weight-only low-bit experts (``weight_dtype`` int4, int8 or
+    mxfp4, ``group_size``): w1/w2 their codes, ``w2_scale`` (and ``w2_zp``) w2's group scales (and
+    zero points), dequantized in g's K loop; they need ``preact`` (w1 is not read)."""
     act, scales = _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids,
                                      num_tokens_post_padded, w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit,
-                                     gate_up_interleaved, w1_scale, w2_scale, block_shape, preact)
+                                     gate_up_interleaved, w1_scale, w2_scale, block_shape, preact, weight_dtype,
+                                     group_size, w2_zp)
     lora = _lora_operands("w2", w2_lora_u, w2_lora_a, lora_scale, topk_weights.numel())
     lora_pre = _lora_pre(w1_lora_t, w1_lora_b, lora_scale, topk_weights.numel(), preact)
     return _grad_act(grad_out, x, w1, w2, topk_weights, topk_weights.shape[1], sorted_token_ids, expert_ids,
                      num_tokens_post_padded, activation=act, block_m=block_m, tiles=act_tiles(block_m),
                      apply_router_weight_on_input=apply_router_weight_on_input, w1_bias=w1_bias, w2_bias=w2_bias,
-                     weight_scales=scales, preact=preact, lora=lora, lora_pre=lora_pre)
+                     weight_scales=scales if isinstance(scales, BlockScales) else None, preact=preact, lora=lora,
+                     lora_pre=lora_pre, w2_low_bit=scales if isinstance(scales, WeightScales) else None)
 
 
 def _lora_pre(t: torch.Tensor | None, b: torch.Tensor | None, scale: float, rows: int,
@@ -109,28 +110,36 @@ def _lora_operands(weight: str, u: torch.Tensor | None, a: torch.Tensor | None, 
 
 def _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
                        w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, w1_scale,
-                       w2_scale, block_shape, preact) -> tuple[Activation, BlockScales | None]:
+                       w2_scale, block_shape, preact, weight_dtype=None, group_size=0,
+                       w2_zp=None) -> tuple[Activation, BlockScales | WeightScales | None]:
     """``moe_grad_act``'s checks (op and fake): its ``Activation`` from the schema arguments, and the
-    frozen block-fp8 weights' scales (None for float weights)."""
+    frozen weights' scales: block fp8 (``BlockScales``), w2's low-bit ones (``WeightScales``), or
+    None for float weights."""
     act = Activation.from_args(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
+    pack = codes_per_byte(weight_dtype) if weight_dtype is not None else 1
     check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
-                   w2_bias, act)
-    scales = BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
+                   w2_bias, act, pack)
     check_preact(preact, x, w1, topk_weights)
-    return act, scales
+    if weight_dtype is None:
+        return act, BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
+    if preact is None:
+        raise ValueError("moe_grad_act with low-bit weights reads the forward's saved pre-activation (preact)")
+    e, k, n = w2.shape[0], x.shape[1], w2.shape[2] * pack
+    check_low_bit_operand("w2", w2, "w2_scale", w2_scale, "w2_zp", w2_zp, weight_dtype, group_size, (e, k, n), x.device)
+    return act, WeightScales(weight_dtype, w2_scale, w2_zp, group_size)
 
 
 @moe_grad_act.register_fake
 def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, w1_bias,
       w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input,
       w1_scale=None, w2_scale=None, block_shape=None, preact=None, w2_lora_u=None, w2_lora_a=None, lora_scale=1.0,
-      w1_lora_t=None, w1_lora_b=None):
+      w1_lora_t=None, w1_lora_b=None, weight_dtype=None, group_size=0, w2_zp=None):
     _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
                        w1_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved, w1_scale,
-                       w2_scale, block_shape, preact)
+                       w2_scale, block_shape, preact, weight_dtype, group_size, w2_zp)
     _lora_operands("w2", w2_lora_u, w2_lora_a, lora_scale, topk_weights.numel())
     _lora_pre(w1_lora_t, w1_lora_b, lora_scale, topk_weights.numel(), preact)
-    p, n = sorted_token_ids.shape[0], w2.shape[2]
+    p, n = sorted_token_ids.shape[0], w2.shape[2] * (codes_per_byte(weight_dtype) if weight_dtype else 1)
     new = x.new_empty
     return new((p, w1.shape[1])), new((p, n)), new((p, grad_act_blocks(n, block_m)), dtype=torch.float32)
 
@@ -142,80 +151,46 @@ def moe_grad_input(
     num_tokens_post_padded: torch.Tensor, block_m: int, num_experts: int, expert_map: torch.Tensor | None,
     num_local_experts: int | None, apply_router_weight_on_input: bool, w1_scale: torch.Tensor | None = None,
     block_shape: list[int] | None = None, w1_lora_u: torch.Tensor | None = None,
-    w1_lora_a: torch.Tensor | None = None, lora_scale: float = 1.0,
+    w1_lora_a: torch.Tensor | None = None, lora_scale: float = 1.0, weight_dtype: str | None = None,
+    group_size: int = 0, w1_zp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_x (M, K), grad_topk_weights (M, topk) float32): see ``tmoe.kernels.moe_grad_input``;
     a frozen block-fp8 w1 comes with its ``w1_scale`` and ``block_shape``; w1's LoRA adapter:
     ``w1_lora_u`` (P, r) = grad_h @ w1_lora_b[e] in aligned rows (``moe_lora_aligned_rows``) and
-    ``w1_lora_a`` (E, r, K): each slot's dx takes lora_scale * u @ a[e]."""
+    ``w1_lora_a`` (E, r, K): each slot's dx takes lora_scale * u @ a[e]. Frozen weight-only low-bit
+    w1 (``weight_dtype``, ``group_size``): its codes with ``w1_scale`` (and ``w1_zp``), dequantized
+    in the K loop."""
     check_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded)
     lora = _lora_operands("w1", w1_lora_u, w1_lora_a, lora_scale, grad_h.shape[0])
     return _grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
                        num_tokens_post_padded, num_experts, expert_map=expert_map,
                        num_local_experts=num_local_experts, apply_router_weight_on_input=apply_router_weight_on_input,
                        block_m=block_m, tiles=input_tiles(topk_ids.shape[0]),
-                       weight_scales=_w1_scales(w1, w1_scale, block_shape), lora=lora)
+                       weight_scales=_w1_scales(w1, w1_scale, block_shape, weight_dtype, group_size, w1_zp), lora=lora)
 
 
-def _w1_scales(w1: torch.Tensor, w1_scale: torch.Tensor | None, block_shape: list[int] | None) -> BlockScales | None:
-    """w1's block scales (checked) for ``moe_grad_input``, which reads no w2."""
-    return BlockScales.of(w1, w1, w1_scale, w1_scale, block_shape)
+def _w1_scales(w1: torch.Tensor, w1_scale: torch.Tensor | None, block_shape: list[int] | None,
+               weight_dtype: str | None = None, group_size: int = 0,
+               w1_zp: torch.Tensor | None = None) -> BlockScales | WeightScales | None:
+    """w1's scales (checked) for ``moe_grad_input``, which reads no w2: block fp8's, or low-bit
+    codes' group scales and zero points."""
+    if weight_dtype is None:
+        return BlockScales.of(w1, w1, w1_scale, w1_scale, block_shape)
+    shape = (w1.shape[0], w1.shape[1], w1.shape[2] * codes_per_byte(weight_dtype))
+    check_low_bit_operand("w1", w1, "w1_scale", w1_scale, "w1_zp", w1_zp, weight_dtype, group_size, shape, w1.device)
+    return WeightScales(weight_dtype, w1_scale, w1_zp, group_size)
 
 
 @moe_grad_input.register_fake
 def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m,
       num_experts, expert_map, num_local_experts, apply_router_weight_on_input, w1_scale=None, block_shape=None,
-      w1_lora_u=None, w1_lora_a=None, lora_scale=1.0):
+      w1_lora_u=None, w1_lora_a=None, lora_scale=1.0, weight_dtype=None, group_size=0, w1_zp=None):
     check_grad_input(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids, num_tokens_post_padded)
-    _w1_scales(w1, w1_scale, block_shape)
+    _w1_scales(w1, w1_scale, block_shape, weight_dtype, group_size, w1_zp)
     _lora_operands("w1", w1_lora_u, w1_lora_a, lora_scale, grad_h.shape[0])
     m, topk = topk_ids.shape
-    return grad_h.new_empty((m, w1.shape[2])), grad_h.new_empty((m, topk), dtype=torch.float32)
-
-
-@torch.library.custom_op("tmoe::moe_lora_token_rows", mutates_args=())
-def moe_lora_token_rows(
-    a: torch.Tensor, factor: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-    expert_map: torch.Tensor | None = None, num_local_experts: int | None = None,
-) -> torch.Tensor:
-    """(M * topk, r): each slot's a[token] @ factor[e].T (a (M, C), factor (E, r, C) any strides):
-    see ``tmoe.kernels.lora_rows``."""
-    _check_lora_rows(a, factor, 2)
-    return _lora_token_rows(a, factor, topk_ids, num_experts, expert_map=expert_map,
-                            num_local_experts=num_local_experts)
-
-
-@moe_lora_token_rows.register_fake
-def _(a, factor, topk_ids, num_experts, expert_map=None, num_local_experts=None):
-    _check_lora_rows(a, factor, 2)
-    check_tensor("topk_ids", topk_ids, dtypes=INDEX_DTYPES, ndim=2)
-    return a.new_empty((topk_ids.numel(), factor.shape[1]))
-
-
-@torch.library.custom_op("tmoe::moe_lora_aligned_rows", mutates_args=())
-def moe_lora_aligned_rows(
-    d: torch.Tensor, factor: torch.Tensor, sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
-    num_tokens_post_padded: torch.Tensor, block_m: int, num_slots: int,
-) -> torch.Tensor:
-    """(P, r): each aligned row's d[p] @ factor[e] (d (P, C), factor (E, C, r) any strides): see
-    ``tmoe.kernels.lora_rows``."""
-    _check_lora_rows(d, factor, 1)
-    return _lora_aligned_rows(d, factor, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m=block_m,
-                              num_slots=num_slots)
-
-
-@moe_lora_aligned_rows.register_fake
-def _(d, factor, sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_slots):
-    _check_lora_rows(d, factor, 1)
-    return d.new_empty((d.shape[0], factor.shape[2]))
-
-
-def _check_lora_rows(a: torch.Tensor, factor: torch.Tensor, c_dim: int) -> None:
-    """Rows (n, C) against a factor (E, ., .) whose dimension ``c_dim`` is C, in the rows' dtype."""
-    check_tensor("a", a, ndim=2)
-    check_tensor("factor", factor, dtypes=(a.dtype,), ndim=3, device=a.device)
-    if factor.shape[c_dim] != a.shape[1]:
-        raise ValueError(f"factor {tuple(factor.shape)} does not match rows of {a.shape[1]} columns")
+    k = w1.shape[2] * (codes_per_byte(weight_dtype) if weight_dtype else 1)
+    return grad_h.new_empty((m, k)), grad_h.new_empty((m, topk), dtype=torch.float32)
 
 
 @torch.library.custom_op("tmoe::moe_grad_weight", mutates_args=())
@@ -282,32 +257,3 @@ def topk_route_grad(
 @topk_route_grad.register_fake
 def _(grad_weights, router_logits, topk_ids, scoring, renormalize, routed_scaling_factor):
     return torch.empty_like(router_logits, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("tmoe::ep_all_gather", mutates_args=())
-def ep_all_gather(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """(world * n, ...) = the ranks' (n, ...) tensors in rank order: the all-gather expert
-    parallelism's dispatch, which its backward repeats (for x and routing) and applies to grad_out."""
-    return all_gather_rows(t, _resolve_process_group(group_name))
-
-
-@ep_all_gather.register_fake
-def _(t, group_name):
-    world = dist.get_world_size(_resolve_process_group(group_name))
-    return t.new_empty((world * t.shape[0], *t.shape[1:]))
-
-
-@torch.library.custom_op("tmoe::ep_reduce_scatter", mutates_args=())
-def ep_reduce_scatter(t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """(n, ...) float32: this rank's rows of the sum over ranks of ``t`` (world * n, ...), summed
-    in float32: the adjoint of ``ep_all_gather``."""
-    group = _resolve_process_group(group_name)
-    out = torch.empty((t.shape[0] // dist.get_world_size(group), *t.shape[1:]), dtype=torch.float32, device=t.device)
-    reduce_scatter_rows(out, t.float(), group)
-    return out
-
-
-@ep_reduce_scatter.register_fake
-def _(t, group_name):
-    world = dist.get_world_size(_resolve_process_group(group_name))
-    return t.new_empty((t.shape[0] // world, *t.shape[1:]), dtype=torch.float32)

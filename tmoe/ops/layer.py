@@ -38,7 +38,7 @@ def _preact(call: LayerArgs, spec: KernelSpec) -> torch.Tensor:
     """The pre-activation's buffer (M * topk, W1's rows), after checking the call can save it."""
     if not spec.saves_preactivation:
         raise ValueError(f"tmoe::modular_forward_train saves the pre-activation of TritonExperts behind "
-                         f"NoEPPrepareAndFinalize with float weights; got {spec.prepare_finalize!r} + "
+                         f"NoEPPrepareAndFinalize with float activations; got {spec.prepare_finalize!r} + "
                          f"{spec.experts!r}, quant {spec.quant.quant_name}")
     return call.hidden_states.new_empty((call.topk_ids.numel(), call.w1.shape[1]))
 
