@@ -91,3 +91,32 @@ def test_low_bit_training_without_the_saved_preactivation_is_refused():
                                                          save_preactivation=False), backend="aot_eager")
     with pytest.raises(Exception, match="save_preactivation"):
         compiled(x)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("scheme", ["mxfp4", "int4"])
+def test_qlora_bf16_at_gpu_tiles_gpu(scheme):
+    """bf16 QLoRA at sizes past the 128-column dX tiles and the 64-row align blocks (GPT-OSS's
+    swigluoai interleaved on mxfp4): x, router and factor gradients against float64."""
+    base = Base(scheme, zero_point=scheme == "int4", dtype=torch.bfloat16, activation="swigluoai", interleaved=True,
+                ranks=(16, 16))
+    shape = MoEShape(300, 8, 256, 512, 4)
+    p = make_problem(shape, torch.bfloat16, "uniform", seed=29, device=DEVICE)
+    (c1, d1), (c2, d2) = quantized(base, p.w1), quantized(base, p.w2)
+    qc = tmoe.FusedMoEQuantConfig(weight_dtype=scheme, group_size=GROUP)
+    x, weights = p.x.clone().requires_grad_(), p.topk_weights.clone().requires_grad_()
+    adapters = _adapters(Case("qlora-gpu", ranks=base.ranks, dtype=base.dtype), d1, d2, seed=29)
+    out = tmoe.fused_experts(x, c1["q"], c2["q"], weights, p.topk_ids, quant_config=qc, w1_scale=c1["scale"],
+                             w2_scale=c2["scale"], w1_zp=c1["zp"], w2_zp=c2["zp"], activation="swigluoai",
+                             gate_up_interleaved=True, lora_scale=0.5, **adapters)
+    inputs = [x, weights, *adapters.values()]
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    copies = [t.detach().double().requires_grad_() for t in inputs]
+    ref = lora_reference(copies[0], d1, d2, copies[1], p.topk_ids, dict(zip(adapters, copies[2:])), 0.5,
+                         activation="swigluoai", gate_up_interleaved=True)
+    assert_close(out, ref, torch.bfloat16)
+    for name, g, r in zip(("hidden_states", "topk_weights", *adapters), grads,
+                          torch.autograd.grad(ref, copies, grad_out.double())):
+        assert_close(g, r, GRAD_TOL[torch.bfloat16], name=name)

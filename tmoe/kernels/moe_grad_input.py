@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tmoe.kernels._details.common import dequant_block
-from tmoe.kernels._details.dequant import dequant_gather
+from tmoe.kernels._details.dequant_gather import dequant_gather
 from tmoe.kernels._details.lora_dot import lora_term
 from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.gemm_args import tma_addressable

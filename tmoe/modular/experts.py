@@ -12,9 +12,6 @@ from tmoe.config import (
     use_direct_route, use_fused_route, use_grouped_route, use_slot_route,
 )
 from tmoe.kernels.align import moe_align_block_size
-from tmoe.kernels.lora import LoraOperands, LoraWeights
-from tmoe.kernels.lora_rows import lora_aligned_rows, lora_token_rows
-from tmoe.kernels.lora_slots import lora_slots
 from tmoe.kernels.operands import DirectRouting, Routing, Scales, WeightScales, operand_scales
 from tmoe.kernels.moe_down_reduce import moe_down_reduce
 from tmoe.kernels.moe_fused_decode import fused_decode_blocks, moe_fused_decode, moe_partial_reduce
@@ -23,39 +20,12 @@ from tmoe.kernels.moe_grouped_gemm import grouped_operands_fit, invoke_grouped_g
 from tmoe.kernels.sorted_rows import sorted_rows
 from tmoe.modular.call import LayerArgs
 from tmoe.modular.interfaces import ExpertsCall, FusedMoEActivationFormat, FusedMoEPermuteExpertsUnpermute, Route
+from tmoe.modular.lora_terms import lora_rows
 from tmoe.modular.problem import MoEProblem
 from tmoe.modular.quantize import quantize_activations
 
 _STANDARD = FusedMoEActivationFormat.Standard
 _BATCHED = FusedMoEActivationFormat.BatchedExperts
-
-
-def lora_rows(lora: LoraWeights, a: torch.Tensor, call: ExpertsCall, gemm: Callable[..., torch.Tensor],
-              route: dict, block_m: int) -> LoraOperands:
-    """The LoRA term of a GEMM of rows ``a`` (``route``: its routing keywords): t = a @ lora.a[e].T,
-    r values per row (``tmoe.kernels.lora_rows``), of every slot (a: token rows, ``a_row_div`` =
-    topk, or slot rows), or on the grouped core of every expert-sorted row; with lora.b and
-    lora.scale for the epilogue (``tmoe.kernels.lora``; ``block_m``: the grouped core's align block).
-    The router weight is applied after the term. Stacked adapters (``lora.token_adapters``): t of
-    each slot with its token's adapter, the row GEMM on virtual experts l * E_local + e
-    (``lora_slots``), and each slot's adapter for the epilogue."""
-    rows = route.get("routing")
-    if gemm is invoke_grouped_gemm:  # expert-sorted rows in, t in the same order
-        t = lora_aligned_rows(a, lora.a.transpose(1, 2), rows.sorted_token_ids, rows.expert_ids,
-                              rows.num_tokens_post_padded, block_m=block_m, num_slots=rows.num_slots)
-        return LoraOperands(t, lora.b, lora.scale)
-    ids, e_local = call.topk_ids, call.problem.num_local_experts
-    slot_rows = rows is not None and rows.a_row_div == 1  # slot rows (the intermediate): each slot its own "token"
-    if lora.token_adapters is not None:
-        num_adapters = lora.a.shape[0]
-        vids, adapters = lora_slots(ids, lora.token_adapters, num_adapters, call.num_experts, call.expert_map,
-                                    e_local)
-        t = lora_token_rows(a, lora.a.flatten(0, 1), vids.reshape(-1, 1) if slot_rows else vids,
-                            num_adapters * e_local, slots=call.route is Route.SLOTS)
-        return LoraOperands(t, lora.b, lora.scale, adapters.reshape(-1))
-    t = lora_token_rows(a, lora.a, ids.reshape(-1, 1) if slot_rows else ids, call.num_experts,
-                        expert_map=call.expert_map, num_local_experts=e_local, slots=call.route is Route.SLOTS)
-    return LoraOperands(t, lora.b, lora.scale)
 
 
 class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
@@ -94,7 +64,7 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         kw = dict(gated=True, activation=call.activation, scales=scales, bias=call.w1_bias, **route)
         if call.w1_lora is not None:  # t = x @ A1[e].T of the unquantized rows
             rows = call.lora_rows if call.lora_rows is not None else x
-            kw["lora"] = lora_rows(call.w1_lora, rows, call, gemm, route, up_cfg.block_m)
+            kw["lora"] = lora_rows(call.w1_lora, rows, call, gemm is invoke_grouped_gemm, route, up_cfg.block_m)
         if call.preact is not None:
             kw["pre_out"] = call.preact
         group = self._fused_quant_group(n, up_cfg.block_n, call.a2_scale, call.problem.batch_invariant)
@@ -116,7 +86,8 @@ class _TritonExpertsBase(FusedMoEPermuteExpertsUnpermute):
         scales = self._scales(a2q_scale, call.w2_scale, call.w2_zp)
         if call.w2_lora is not None:
             rows = inter if inter is not None and a2q.dtype != inter.dtype else a2q
-            route = dict(route, lora=lora_rows(call.w2_lora, rows, call, gemm, route, down_cfg.block_m))
+            route = dict(route, lora=lora_rows(call.w2_lora, rows, call, gemm is invoke_grouped_gemm, route,
+                                                  down_cfg.block_m))
         gemm(a2q, call.w2, out, down_cfg, gated=False, scales=scales, bias=call.w2_bias, **route)
 
     def _config(self, m: int, e: int, n: int, k: int, topk: int, device: torch.device,

@@ -290,26 +290,3 @@ def dequant_dot(a, q, acc, s_ptrs, zp_ptrs, zp_shift, k0, K, stride_sk, stride_z
         else:
             acc = oriented_dot(a, _step_values(q.to(tl.int32), zp, s, QUANT).to(a.dtype), acc, SWAP_AB, PRECISION)
     return acc
-
-
-@triton.jit
-def dequant_gather(w_base, rows, cols, mask, stride_wr, stride_wc, s_base, stride_sr, stride_sc, zp_base, stride_zr,
-                   stride_zc, GROUP: tl.constexpr, QUANT: tl.constexpr, HAS_ZP: tl.constexpr, DTYPE: tl.constexpr):
-    """W[rows, cols] in DTYPE of one expert's low-bit W (``w_base``; rows and cols broadcastable
-    int64 index blocks, cols the logical k, the packed dimension: byte k // 2, even k in the low
-    nibble for 4-bit), each element gathered with its group's scale and zero point: float32 (q - zp)
-    * s (int4, int8) or e2m1(q) * 2^(s - 127) (mxfp4), rounded to DTYPE. The backward's tiles,
-    whose packed dimension may be the output's (dX's K, g's N) rather than the dot's."""
-    if QUANT == "int4" or QUANT == "mxfp4":
-        byte = tl.load(w_base + rows * stride_wr + (cols // 2) * stride_wc, mask=mask, other=0).to(tl.int32)
-        q = (byte >> ((cols % 2) * 4).to(tl.int32)) & 0xF
-    else:
-        q = tl.load(w_base + rows * stride_wr + cols * stride_wc, mask=mask, other=0).to(tl.int32)
-    group = cols // GROUP
-    if QUANT == "int4":
-        zp_rows, zp_shift = rows // 2, ((rows % 2) * 4).to(tl.int32)
-    else:
-        zp_rows, zp_shift = rows, 0
-    s, zp = group_dequant(s_base + rows * stride_sr, zp_base + zp_rows * stride_zr, zp_shift, group, stride_sc,
-                          stride_zc, mask, QUANT, HAS_ZP)
-    return _step_values(q, zp, s, QUANT).to(DTYPE)
