@@ -139,6 +139,22 @@ def test_stacked_adapters_on_quantized_experts(base):
     assert_close(out, ref, Tolerance(rel=6e-2, atol=6e-2, rtol=0.2))  # fp8 activations against float64
 
 
+@pytest.mark.parametrize("m", [1, 5, 37])
+def test_serving_rows_are_batch_invariant(m):
+    """Under the batch-invariant mode a probe token's row with its adapter is the same bits alone and
+    at any place in a batch of other tokens and adapters (RL rollouts served with adapters)."""
+    p = make_problem(MoEShape(40, SHAPE.e, SHAPE.n, SHAPE.k, SHAPE.topk), torch.float32, "uniform", seed=31,
+                     device=DEVICE)
+    adapters = stacked_adapters(3, SHAPE.e, 2 * SHAPE.n, SHAPE.n, SHAPE.k, (8, 4), seed=31)
+    ids = token_adapters(40, 3, seed=31)
+    call = lambda rows: tmoe.fused_experts(p.x[rows], p.w1, p.w2, p.topk_weights[rows], p.topk_ids[rows],
+                                           lora_ids=ids[rows], batch_invariant=True, **adapters)
+    with torch.no_grad():
+        alone = call(slice(39, 40))
+        batch = call(slice(40 - m, 40))
+    assert torch.equal(batch[-1:], alone)
+
+
 def test_adapters_rewritten_in_place_are_read_at_the_next_call():
     """vLLM swaps an adapter by writing its slot of the stacked buffers: the next call of the same
     signature (planned launches, replayed) reads the new factors."""
