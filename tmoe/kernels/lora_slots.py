@@ -79,5 +79,6 @@ def _lora_slots_into(topk_ids: torch.Tensor, token_adapters: torch.Tensor, num_a
         topk_ids_ptr=topk_ids, token_adapters_ptr=token_adapters,
         expert_map_ptr=expert_map if expert_map is not None else topk_ids, virtual_ptr=virtual,
         adapters_ptr=adapters, num_slots=m * topk, topk=topk, num_experts=num_experts,
-        num_local_experts=num_local_experts, num_adapters=num_adapters, HAS_MAP=expert_map is not None, BLOCK=BLOCK, num_warps=4, **pdl_args(),
+        num_local_experts=num_local_experts, num_adapters=num_adapters, HAS_MAP=expert_map is not None, BLOCK=BLOCK,
+        num_warps=4, **pdl_args(),
     ), virtual)
