@@ -44,7 +44,7 @@ from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.grad_config import ActTiles
 from tmoe.kernels.lora import LoraOperands, padded_rank
 from tmoe.kernels.moe_grad_input import sorted_input_grad
-from tmoe.kernels.operands import BlockScales, Routing, WeightScales, codes_per_byte, scale_strides
+from tmoe.kernels.operands import BlockScales, Routing, WeightScales, logical_cols, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.kernels.sorted_rows import aligned_copy
 from tmoe.runtime.interpreter import with_interpreter_fixes
@@ -224,7 +224,8 @@ def moe_grad_act(
         lora_pre: w1's LoRA term of the recomputed pre-activation (without ``preact``): u = x @ a1[e].T
             per slot (M * topk, r), factor b1 (E, 2N, r), added as the forward's epilogue adds it.
         w2_low_bit: w2 is frozen low-bit codes ((E, K, N / 2) uint8 for 4-bit) with their group
-            scales (``WeightScales``), dequantized in g's K loop; needs ``preact`` (w1 is not read).
+            scales (``WeightScales``), dequantized in g's K loop; needs ``preact`` (w1 is not read:
+            the op, ``tmoe::moe_grad_act``, refuses the call without it).
 
     Returns:
         grad_h (P, 2N) in aligned-row order and w1's row order, x's dtype (rows of padding and
@@ -235,12 +236,8 @@ def moe_grad_act(
         (P = sorted_ids.numel(); rows at or past num_post_padded are not written).
     """
     check_preact(preact, x, w1, topk_weights)
-    if w2_low_bit is not None and preact is None:
-        raise ValueError("moe_grad_act with low-bit weights reads the forward's saved pre-activation (preact)")
     num_slots = topk_weights.numel()
-    n, k, p = w2.shape[2], x.shape[1], sorted_ids.shape[0]
-    if w2_low_bit is not None:
-        n *= codes_per_byte(w2_low_bit.weight_dtype)
+    n, k, p = logical_cols(w2, w2_low_bit.weight_dtype if w2_low_bit else None), x.shape[1], sorted_ids.shape[0]
     alpha, limit, clamp = activation.floats()
     grad_h = torch.empty((p, w1.shape[1]), dtype=x.dtype, device=x.device)  # w1's rows: 2N, or N for *_no_mul
     inter = torch.empty((p, n), dtype=x.dtype, device=x.device)

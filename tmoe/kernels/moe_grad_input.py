@@ -32,7 +32,7 @@ from tmoe.kernels._details.tile_matmul import moe_tile_matmul_tma, tile_ids
 from tmoe.kernels.gemm_args import tma_addressable
 from tmoe.kernels.grad_config import InputTiles
 from tmoe.kernels.lora import LoraOperands, padded_rank
-from tmoe.kernels.operands import BlockScales, WeightScales, codes_per_byte, scale_strides
+from tmoe.kernels.operands import BlockScales, WeightScales, logical_cols, scale_strides
 from tmoe.kernels.sizes import backward_stages, cdiv, row_group
 from tmoe.kernels.gemm_config import GemmConfig
 from tmoe.runtime.device import persistent_programs, sm_count
@@ -158,9 +158,8 @@ def _launch(
     adds ``lora.scale * lora.u[row] @ lora.factor[e].T`` (factor (E, cols, r)), u's rows aligned
     rows or, ``lora_slot_rows``, slots. ``low_bit``: ``w`` holds frozen low-bit codes (C packed, as
     stored) with their group scales and zero points, dequantized in the K loop."""
-    p, (rows_w, cols) = d.shape[0], w.shape[1:]
+    p, rows_w, cols = d.shape[0], w.shape[1], logical_cols(w, low_bit.weight_dtype if low_bit else None)
     if low_bit is not None:
-        cols *= codes_per_byte(low_bit.weight_dtype)
         tiles = tiles.for_low_bit()
     if p == 0:
         return
@@ -235,8 +234,8 @@ def sorted_input_grad(
 
     Rows at or past num_post_padded and rows of remote experts (expert id -1) are not written.
     """
-    cols = w.shape[2] * (codes_per_byte(low_bit.weight_dtype) if low_bit is not None else 1)
-    out = torch.empty((d.shape[0], cols), dtype=d.dtype, device=d.device)
+    out = torch.empty((d.shape[0], logical_cols(w, low_bit.weight_dtype if low_bit else None)), dtype=d.dtype,
+                      device=d.device)
     _launch(d, w, out, sorted_ids, expert_ids, num_post_padded, num_slots, block_m, tiles, weight_scale, block_shape,
             skip_remote, lora=lora, lora_slot_rows=True, tile_m=tile_m, low_bit=low_bit)
     return out
@@ -269,7 +268,7 @@ def moe_grad_input(
     m, topk = topk_ids.shape
     low_bit = weight_scales if isinstance(weight_scales, WeightScales) else None
     block = weight_scales if isinstance(weight_scales, BlockScales) else None
-    k = w1.shape[2] * (codes_per_byte(low_bit.weight_dtype) if low_bit is not None else 1)
+    k = logical_cols(w1, low_bit.weight_dtype if low_bit else None)
     dev = grad_h.device
     grad_slots = torch.empty((m * topk, k), dtype=grad_h.dtype, device=dev)
     grad_weights = torch.zeros((m, topk), dtype=torch.float32, device=dev)

@@ -92,9 +92,15 @@ class DirectRouting:
     a_row_div: int = 1
 
 
-def codes_per_byte(weight_dtype: str) -> int:
-    """Low-bit weight values per byte along K: 2 for the 4-bit schemes (int4, mxfp4), 1 for int8."""
-    return 1 if weight_dtype == "int8" else 2
+def codes_per_byte(weight_dtype: str | None) -> int:
+    """Weight values per stored element along K: 2 for the 4-bit schemes (int4, mxfp4), 1 for int8
+    and for unpacked weights (None)."""
+    return 1 if weight_dtype in (None, "int8") else 2
+
+
+def logical_cols(w: torch.Tensor, weight_dtype: str | None) -> int:
+    """The logical size of W's (E, rows, cols) last dimension: stored columns times ``codes_per_byte``."""
+    return w.shape[2] * codes_per_byte(weight_dtype)
 
 
 def check_gemm_operands(a_name: str, a: torch.Tensor, w_name: str, w: torch.Tensor, k_dim: str) -> None:

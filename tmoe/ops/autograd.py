@@ -78,7 +78,7 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
                                   "torch.no_grad(), or train float experts")
     (x, w1, w2, topk_weights, topk_ids, expert_map, w1_bias, w2_bias, w1_scale, w2_scale, preact, a1, b1, a2,
      b2, w1_zp, w2_zp) = ctx.saved_tensors
-    low_bit = dict(weight_dtype=ctx.weight_dtype, group_size=ctx.group_size) if ctx.weight_dtype else {}
+    low_bit = dict(weight_dtype=ctx.weight_dtype, group_size=ctx.group_size)  # None, 0: not low-bit
     problem, on_input, needs = ctx.problem, ctx.on_input, ctx.needs_input_grad
     act, e_local, num_experts = problem.activation, problem.num_local_experts, problem.num_experts
     num_local = e_local if expert_map is not None else None
@@ -116,7 +116,7 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
         gate_up_interleaved=gate_up_interleaved, apply_router_weight_on_input=on_input, w1_scale=w1_scale,
         w2_scale=w2_scale, block_shape=ctx.block_shape, preact=preact, w2_lora_u=u2, w2_lora_a=a2, lora_scale=scale,
         w1_lora_t=t1 if preact is None else None, w1_lora_b=b1 if preact is None and a1 is not None else None,
-        **low_bit, **(dict(w2_zp=w2_zp) if low_bit else {}))
+        w2_zp=w2_zp, **low_bit)
     grads: list[torch.Tensor | None] = [None] * ctx.num_inputs
     expert_rows = dict(sorted_ids=sorted_ids, offsets=offsets, block_m=block_m, e_local=e_local, expert_map=expert_map)
     rows = dict(topk_weights=topk_weights, **expert_rows)
@@ -141,7 +141,7 @@ def _layer_backward(ctx, grad_out: torch.Tensor) -> tuple:
             num_tokens_post_padded=num_post_padded, block_m=block_m, num_experts=num_experts, expert_map=expert_map,
             num_local_experts=num_local, apply_router_weight_on_input=on_input, w1_scale=w1_scale,
             block_shape=ctx.block_shape, w1_lora_u=u1, w1_lora_a=a1, lora_scale=scale,
-            **low_bit, **(dict(w1_zp=w1_zp) if low_bit else {}))
+            w1_zp=w1_zp, **low_bit)
         if ctx.group:  # each rank's tokens collect their slots' gradients from every rank's experts
             grad_x = tmoe.ep_reduce_scatter(grad_x, ctx.group)[:m].to(grad_x.dtype)
             grad_w = tmoe.ep_reduce_scatter(grad_w, ctx.group)[:m]

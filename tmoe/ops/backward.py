@@ -20,7 +20,7 @@ from tmoe.kernels.moe_grad_act import moe_grad_act as _grad_act
 from tmoe.kernels.moe_grad_bias import moe_grad_bias as _grad_bias
 from tmoe.kernels.moe_grad_input import moe_grad_input as _grad_input
 from tmoe.kernels.moe_grad_weight import moe_grad_weight as _grad_weight
-from tmoe.kernels.operands import BlockScales, WeightScales, check_low_bit_operand, codes_per_byte
+from tmoe.kernels.operands import BlockScales, WeightScales, check_low_bit_operand, codes_per_byte, logical_cols
 from tmoe.kernels.router_grad import topk_route_grad as _topk_route_grad
 
 
@@ -116,7 +116,7 @@ def _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expe
     frozen weights' scales: block fp8 (``BlockScales``), w2's low-bit ones (``WeightScales``), or
     None for float weights."""
     act = Activation.from_args(activation, swiglu_alpha, swiglu_limit, gate_up_interleaved)
-    pack = codes_per_byte(weight_dtype) if weight_dtype is not None else 1
+    pack = codes_per_byte(weight_dtype)
     check_grad_act(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, w1_bias,
                    w2_bias, act, pack)
     check_preact(preact, x, w1, topk_weights)
@@ -124,7 +124,7 @@ def _grad_act_operands(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expe
         return act, BlockScales.of(w1, w2, w1_scale, w2_scale, block_shape)
     if preact is None:
         raise ValueError("moe_grad_act with low-bit weights reads the forward's saved pre-activation (preact)")
-    e, k, n = w2.shape[0], x.shape[1], w2.shape[2] * pack
+    e, k, n = w2.shape[0], x.shape[1], logical_cols(w2, weight_dtype)
     check_low_bit_operand("w2", w2, "w2_scale", w2_scale, "w2_zp", w2_zp, weight_dtype, group_size, (e, k, n), x.device)
     return act, WeightScales(weight_dtype, w2_scale, w2_zp, group_size)
 
@@ -139,7 +139,7 @@ def _(grad_out, x, w1, w2, topk_weights, sorted_token_ids, expert_ids, num_token
                        w2_scale, block_shape, preact, weight_dtype, group_size, w2_zp)
     _lora_operands("w2", w2_lora_u, w2_lora_a, lora_scale, topk_weights.numel())
     _lora_pre(w1_lora_t, w1_lora_b, lora_scale, topk_weights.numel(), preact)
-    p, n = sorted_token_ids.shape[0], w2.shape[2] * (codes_per_byte(weight_dtype) if weight_dtype else 1)
+    p, n = sorted_token_ids.shape[0], logical_cols(w2, weight_dtype)
     new = x.new_empty
     return new((p, w1.shape[1])), new((p, n)), new((p, grad_act_blocks(n, block_m)), dtype=torch.float32)
 
@@ -176,7 +176,7 @@ def _w1_scales(w1: torch.Tensor, w1_scale: torch.Tensor | None, block_shape: lis
     codes' group scales and zero points."""
     if weight_dtype is None:
         return BlockScales.of(w1, w1, w1_scale, w1_scale, block_shape)
-    shape = (w1.shape[0], w1.shape[1], w1.shape[2] * codes_per_byte(weight_dtype))
+    shape = (w1.shape[0], w1.shape[1], logical_cols(w1, weight_dtype))
     check_low_bit_operand("w1", w1, "w1_scale", w1_scale, "w1_zp", w1_zp, weight_dtype, group_size, shape, w1.device)
     return WeightScales(weight_dtype, w1_scale, w1_zp, group_size)
 
@@ -189,7 +189,7 @@ def _(grad_h, w1, partial, topk_weights, topk_ids, sorted_token_ids, expert_ids,
     _w1_scales(w1, w1_scale, block_shape, weight_dtype, group_size, w1_zp)
     _lora_operands("w1", w1_lora_u, w1_lora_a, lora_scale, grad_h.shape[0])
     m, topk = topk_ids.shape
-    k = w1.shape[2] * (codes_per_byte(weight_dtype) if weight_dtype else 1)
+    k = logical_cols(w1, weight_dtype)
     return grad_h.new_empty((m, k)), grad_h.new_empty((m, topk), dtype=torch.float32)
 
 
